@@ -1,0 +1,20 @@
+"""Prefix sharing for TRL's preference trainers: compute each prompt once, get stock TRL's numbers."""
+
+from .attention import SUPPORTED_MODEL_TYPES
+from .collator import PrefixSharingCollator
+from .dpo_config import DPOConfig
+from .dpo_trainer import DPOTrainer
+from .layout import build_shared_batch
+from .mask import dense_mask, dpo_mask
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DPOConfig",
+    "DPOTrainer",
+    "PrefixSharingCollator",
+    "SUPPORTED_MODEL_TYPES",
+    "build_shared_batch",
+    "dense_mask",
+    "dpo_mask",
+]

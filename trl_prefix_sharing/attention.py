@@ -1,0 +1,136 @@
+"""The attention backend: which kernel runs the prefix-sharing mask, and the mask object it receives.
+
+The mask itself lives in :mod:`trl_prefix_sharing.mask`. Here it is turned into what the model's attention
+implementation takes, through transformers' own attention functions (no custom attention name is registered, so a
+saved config never names one):
+
+- ``"flex_attention"``: a FlexAttention ``BlockMask`` (block-sparse: fully masked blocks are skipped). CUDA only for
+  training, since FlexAttention has no backward on CPU.
+- ``"sdpa"``: the same mask evaluated densely as a boolean ``[N, 1, S, S]`` tensor for ``scaled_dot_product_attention``.
+
+``"auto"`` picks FlexAttention on CUDA and SDPA elsewhere. The switch of a model's attention implementation is
+recorded and undone by :meth:`AttentionSwitch.restore`; it touches only the models given to it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .mask import block_mask, dense_mask, dpo_mask
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "ATTN_IMPLEMENTATIONS",
+    "check_supported_model",
+    "resolve_attn_implementation",
+    "AttentionSwitch",
+    "build_attention_mask",
+]
+
+#: Architectures whose attention is proven equal to stock TRL under prefix sharing (tests/test_dpo_equivalence.py).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ATTN_IMPLEMENTATIONS = ("auto", "flex_attention", "sdpa")
+
+
+def check_supported_model(config) -> None:
+    """Raise a clear error for an architecture whose attention is not known to honour the shared layout."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = getattr(text_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"Prefix sharing supports the model types {', '.join(SUPPORTED_MODEL_TYPES)}; this model is "
+            f"'{model_type}'. Its attention is not proven to honour the shared layout (custom mask and position ids), "
+            "so its log-probs could differ from stock TRL. Train it with `prefix_sharing=False`."
+        )
+
+
+def _flex_available() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_attn_implementation(requested: str, device: torch.device) -> str:
+    """``"auto"`` -> FlexAttention on CUDA, SDPA elsewhere; explicit choices are checked against the device."""
+    if requested not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(
+            f"`prefix_sharing_attn_implementation` must be one of {ATTN_IMPLEMENTATIONS}, got {requested!r}."
+        )
+    device = torch.device(device)
+    if requested == "auto":
+        return "flex_attention" if device.type == "cuda" and _flex_available() else "sdpa"
+    if requested == "flex_attention":
+        if not _flex_available():
+            raise ValueError(
+                f"FlexAttention is not available in torch {torch.__version__}. Use "
+                "`prefix_sharing_attn_implementation='sdpa'` (same mask, dense) or upgrade torch."
+            )
+        if device.type != "cuda":
+            raise ValueError(
+                f"FlexAttention has no backward pass on {device.type} in torch {torch.__version__}, so it cannot "
+                "train there. Use `prefix_sharing_attn_implementation='sdpa'` (or 'auto'), which applies the same "
+                "mask densely through scaled_dot_product_attention."
+            )
+    return requested
+
+
+class AttentionSwitch:
+    """Set the attention implementation of given models, remembering the old one so it can be put back."""
+
+    def __init__(self):
+        self._saved: list[tuple[object, object]] = []
+
+    def apply(self, model, attn_implementation: str) -> None:
+        if any(m is model for m, _ in self._saved):
+            return
+        current = model.config._attn_implementation
+        self._saved.append((model, current))
+        if current != attn_implementation:
+            model.set_attn_implementation(attn_implementation)
+
+    def restore(self) -> None:
+        for model, old in reversed(self._saved):
+            if old is not None and model.config._attn_implementation != old:
+                model.set_attn_implementation(old)
+        self._saved.clear()
+
+
+def _sliding_window_layout(config) -> tuple[int | None, bool]:
+    """(window, mixed): the sliding window the model applies, and whether only some layers use it."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text_config, "sliding_window", None)
+    layer_types = getattr(text_config, "layer_types", None)
+    if window is None:
+        return None, False
+    if layer_types is None:  # Mistral: every layer slides when `sliding_window` is set
+        return window, False
+    if "sliding_attention" not in layer_types:
+        return None, False
+    return window, "full_attention" in layer_types
+
+
+def build_attention_mask(layout: dict[str, torch.Tensor], attn_implementation: str, config):
+    """The mask object for one shared batch: a ``BlockMask`` or a dense boolean tensor, or a per-layer-type dict when
+    the model mixes full and sliding-window layers (Qwen2/Qwen3 with ``use_sliding_window``)."""
+    document_ids, branch_ids = layout["document_ids"], layout["branch_ids"]
+    position_ids = layout["position_ids"]
+    n, s = document_ids.shape
+
+    def make(window):
+        mask_mod = dpo_mask(document_ids, branch_ids, position_ids, window)
+        if attn_implementation == "flex_attention":
+            return block_mask(mask_mod, n, s, s, device=document_ids.device)
+        if attn_implementation == "sdpa":
+            return dense_mask(mask_mod, n, s, s, device=document_ids.device)
+        raise ValueError(f"No prefix-sharing mask for attention implementation {attn_implementation!r}.")
+
+    window, mixed = _sliding_window_layout(config)
+    if window is not None and int(position_ids.max()) < window:
+        window = None  # no query is `window` positions away from any key: the window changes nothing
+    full = make(None) if window is None or mixed else None
+    if window is None:
+        return full
+    sliding = make(window)
+    return {"full_attention": full, "sliding_attention": sliding} if mixed else sliding

@@ -1,0 +1,58 @@
+"""`DPOConfig`: TRL's DPO configuration plus the prefix-sharing fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import trl
+
+from .attention import ATTN_IMPLEMENTATIONS
+
+
+@dataclass
+class DPOConfig(trl.DPOConfig):
+    r"""
+    Configuration class for [`trl_prefix_sharing.DPOTrainer`]: every parameter of [`trl.DPOConfig`], plus the ones
+    below. With `prefix_sharing=False` training is exactly TRL's.
+
+    > Parameters that control prefix sharing
+
+    prefix_sharing (`bool`, *optional*, defaults to `False`):
+        Put each preference pair in one sequence, `[prompt | chosen | rejected]`, so the prompt is computed once; a
+        mask keeps the two completions from seeing each other and position ids make every log-prob the one stock TRL
+        computes. Supported for Llama, Mistral, Qwen2 and Qwen3 models, text and conversational datasets.
+    prefix_sharing_attn_implementation (`str`, *optional*, defaults to `"auto"`):
+        Attention that applies the prefix-sharing mask: `"flex_attention"` (block-sparse FlexAttention, CUDA),
+        `"sdpa"` (the same mask, dense, through `scaled_dot_product_attention`; any device), or `"auto"`
+        (FlexAttention on CUDA, SDPA elsewhere). The model's attention implementation is switched for training only;
+        saved configs are unaffected.
+    """
+
+    prefix_sharing: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute each prompt once: put [prompt | chosen | rejected] in one sequence with a mask that keeps "
+            "the completions apart. Log-probs, losses and metrics equal stock TRL's."
+        },
+    )
+    prefix_sharing_attn_implementation: str = field(
+        default="auto",
+        metadata={
+            "help": "Attention for the prefix-sharing mask: 'flex_attention' (CUDA), 'sdpa' (dense mask, any device) "
+            "or 'auto' (FlexAttention on CUDA, SDPA elsewhere).",
+            "choices": list(ATTN_IMPLEMENTATIONS),
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.prefix_sharing_attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(
+                f"`prefix_sharing_attn_implementation` must be one of {ATTN_IMPLEMENTATIONS}, got "
+                f"{self.prefix_sharing_attn_implementation!r}."
+            )
+        if self.prefix_sharing and self.padding_free:
+            raise ValueError(
+                "`prefix_sharing=True` cannot be combined with `padding_free=True`: both rewrite the batch layout, and "
+                "TRL 1.16 has padding-free DPO disabled anyway. Set `padding_free=False`."
+            )

@@ -1,0 +1,116 @@
+"""The prefix-shared forward: run the model on shared rows, hand back outputs in the stock layout.
+
+TRL's trainers call ``model(input_ids, attention_mask, labels=..., fused_lm_head=True)`` on the stock batch and read
+per-token fields of shape ``[rows, length - 1]``. :func:`install_prefix_sharing_forward` wraps that (already fused)
+forward on one model instance: when the call carries a ``prefix_sharing`` layout (added by
+:class:`~trl_prefix_sharing.collator.PrefixSharingCollator`), the backbone and the LM head run on the shared rows
+only, and every per-token field is gathered back to the stock positions. Everything downstream (losses, metrics,
+reference passes) is TRL's own code, unchanged. Without a layout, or for a plain (non-fused) call such as generation,
+the model's forward is untouched. The mask travels as a forward argument, so gradient checkpointing's recomputation
+sees it. :func:`remove_prefix_sharing_forward` undoes the wrap.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+
+from .layout import gather_to_stock, shared_labels
+
+__all__ = ["install_prefix_sharing_forward", "remove_prefix_sharing_forward", "unwrap_model", "check_layout_matches"]
+
+_ORIGINAL = "_prefix_sharing_original_forward"
+_PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+def unwrap_model(model):
+    """The transformers model under DDP/DeepSpeed (``.module``) and PEFT (``get_base_model()``) wrappers."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
+        model = model.get_base_model()
+    return model
+
+
+def check_layout_matches(layout: dict, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """Refuse a layout that does not hold exactly the stock batch's tokens (e.g. a collator that changed the batch)."""
+    index = layout["stock_index"]
+    real = index >= 0
+    if index.shape != input_ids.shape or (attention_mask is not None and not torch.equal(real, attention_mask.bool())):
+        raise RuntimeError(
+            "Prefix-sharing layout does not match the stock batch (shape or padding differ). The layout must be built "
+            "by PrefixSharingCollator from the same batch; a custom data collator has to emit right-padded "
+            "`input_ids`/`attention_mask` and let PrefixSharingCollator wrap it."
+        )
+    if not torch.equal(layout["input_ids"].reshape(-1)[index[real]], input_ids[real]):
+        raise RuntimeError("Prefix-sharing layout does not hold the stock batch's tokens.")
+
+
+def _shared_forward(original_forward, kwargs: dict, layout: dict):
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    for name in ("inputs_embeds", "position_ids", "shift_labels", "pixel_values"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"Prefix sharing builds its own inputs; `{name}` cannot be passed alongside the layout.")
+    input_ids = kwargs.pop("input_ids")
+    stock_attention_mask = kwargs.pop("attention_mask", None)
+    labels = kwargs.pop("labels")
+    if labels is None:
+        raise ValueError("The prefix-shared fused forward needs `labels` (TRL passes them).")
+    mask = layout.get("attention_mask")
+    if mask is None:
+        raise RuntimeError(
+            "The prefix-sharing attention mask was not built for this batch. Call the model through the trainer "
+            "(it builds the mask once per step, shared by the policy and reference passes)."
+        )
+    check_layout_matches(layout, input_ids, stock_attention_mask)
+    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+
+    outputs = original_forward(
+        input_ids=layout["input_ids"],
+        attention_mask=mask,
+        position_ids=layout["position_ids"],
+        shift_labels=shared_labels(layout, labels),
+        **kwargs,
+    )
+
+    index = layout["stock_index"][:, :-1]
+    valid = (index >= 0) & (labels[:, 1:] != -100)
+    fields = {}
+    for name in _PER_TOKEN_FIELDS:
+        value = getattr(outputs, name)
+        fill = False if name == "is_top1" else 0
+        fields[name] = None if value is None else gather_to_stock(value, index, valid, fill)
+    denominator = valid.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    loss = -fields["log_probs"].sum() / denominator  # the stock definition, over the stock positions
+    return FusedCausalLMOutput(loss=loss, label_mask=valid, aux_loss=outputs.aux_loss, **fields)
+
+
+def install_prefix_sharing_forward(model) -> None:
+    """Wrap ``model.forward`` (already patched by TRL's ``add_fused_lm_head``) to accept a ``prefix_sharing`` layout.
+
+    Scoped to this model instance and idempotent; undone by :func:`remove_prefix_sharing_forward`.
+    """
+    if _ORIGINAL in model.__dict__:
+        return
+    original_forward = model.forward
+
+    @functools.wraps(type(model).forward)
+    def forward(self, *args, prefix_sharing=None, **kwargs):
+        if prefix_sharing is None or not kwargs.get("fused_lm_head", False):
+            return original_forward(*args, **kwargs)
+        if args:
+            raise TypeError("The prefix-shared forward takes keyword arguments only.")
+        return _shared_forward(original_forward, kwargs, prefix_sharing)
+
+    model.__dict__[_ORIGINAL] = original_forward
+    model.forward = types.MethodType(forward, model)
+
+
+def remove_prefix_sharing_forward(model) -> None:
+    """Put back the forward that :func:`install_prefix_sharing_forward` wrapped."""
+    original = model.__dict__.pop(_ORIGINAL, None)
+    if original is not None:
+        model.forward = original

@@ -1,0 +1,176 @@
+"""The layout of a shared row: how stock rows that start alike become one sequence, and how to map back.
+
+Stock TRL scores each completion in its own padded row, ``[prompt | chosen]`` and ``[prompt | rejected]``. Here the
+rows of one example (two for DPO and pairwise reward models, K for ranked data) become one *document*::
+
+    stock    [p0 p1 p2 p3 c0 c1]          shared   [p0 p1 p2 | p3 c0 c1 | p3 r0 r1 r2]
+             [p0 p1 p2 p3 r0 r1 r2]       position   0  1  2 |  3  4  5 |  3  4  5  6
+                                          branch     0  0  0 |  1  1  1 |  2  2  2  2
+
+The shared prefix is the longest common prefix of the rows, compared on (token, completion-mask) pairs, so it is
+exact whatever the truncation did. Its last token starts every branch (same token, same position, same visible keys,
+so the same hidden state): that copy scores the first token of each completion, as the last prompt token does in the
+stock rows. Rows with nothing in common still work (an empty prefix: K separate sequences in one document).
+
+The layout is built from the *stock collator's own tensors*, so the tokens scored are exactly the ones stock TRL
+scores. ``stock_index`` maps every stock position to its place in the shared rows; everything computed on the shared
+rows (log-probs, rewards) is gathered back through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["build_shared_batch", "common_prefix_length", "shared_labels", "gather_to_stock"]
+
+
+def common_prefix_length(rows: Sequence[Sequence]) -> int:
+    """Length of the longest common prefix of several sequences."""
+    if not rows:
+        return 0
+    n = min(len(r) for r in rows)
+    first = rows[0]
+    for i in range(n):
+        item = first[i]
+        if any(r[i] != item for r in rows[1:]):
+            return i
+    return n
+
+
+def build_shared_batch(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    groups: Sequence[Sequence[int]],
+    completion_mask: torch.Tensor | None = None,
+    rows: Sequence[Sequence[int]] | None = None,
+    pad_token_id: int = 0,
+    pad_to_multiple_of: int | None = None,
+    row_length: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Lay out stock rows as prefix-shared documents.
+
+    Args:
+        input_ids, attention_mask: stock ``[R, L]`` right-padded tensors (as TRL's collators build them).
+        groups: for each document, the stock row indices that share a prompt (e.g. ``[i, B + i]`` for DPO).
+        completion_mask: stock ``[R, L]`` completion mask; the shared prefix never mixes prompt and completion.
+        rows: which documents go in which shared row (packing); default one document per row.
+        pad_token_id: token used for padding the shared rows.
+        pad_to_multiple_of: round the shared row length up to a multiple of this.
+        row_length: fixed shared row length (packing); an error if a row does not fit.
+
+    Returns:
+        ``input_ids``, ``position_ids``, ``document_ids`` (-1 = padding), ``branch_ids`` (0 = prefix) of shape
+        ``[N, S]``, and ``stock_index`` ``[R, L]``: the flat index (into ``N * S``) of every stock token, -1 for padding.
+    """
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError("`input_ids` and `attention_mask` must be [rows, length] tensors of the same shape.")
+    num_stock_rows, stock_len = input_ids.shape
+    lengths = attention_mask.sum(dim=1).tolist()
+    right_padded = torch.arange(stock_len, device=attention_mask.device) < attention_mask.sum(dim=1, keepdim=True)
+    if not torch.equal(attention_mask.bool(), right_padded):
+        raise ValueError("Prefix sharing needs right-padded stock rows (attention_mask of 1s then 0s).")
+    ids_list = input_ids.tolist()
+    cm_list = completion_mask.tolist() if completion_mask is not None else None
+
+    seen = [False] * num_stock_rows
+    docs = []  # per document: (tokens, positions, branches, {stock_row: [offsets]})
+    for group in groups:
+        for r in group:
+            if not 0 <= r < num_stock_rows or seen[r]:
+                raise ValueError(f"Stock row {r} is out of range or in two groups.")
+            seen[r] = True
+        keyed = []
+        for r in group:
+            n = lengths[r]
+            keyed.append(list(zip(ids_list[r][:n], cm_list[r][:n])) if cm_list is not None else ids_list[r][:n])
+        m = common_prefix_length(keyed)
+        s = max(m - 1, 0)  # the last common token heads every branch
+        first = ids_list[group[0]]
+        tokens = list(first[:s])
+        positions = list(range(s))
+        branches = [0] * s
+        offsets = {}
+        for k, r in enumerate(group, start=1):
+            n = lengths[r]
+            start = len(tokens)
+            tokens.extend(ids_list[r][s:n])
+            positions.extend(range(s, n))
+            branches.extend([k] * (n - s))
+            offsets[r] = list(range(min(s, n))) + list(range(start, start + max(n - s, 0)))
+        docs.append((tokens, positions, branches, offsets))
+
+    if rows is None:
+        rows = [[d] for d in range(len(docs))]
+    used = sorted(d for row in rows for d in row)
+    if used != list(range(len(docs))):
+        raise ValueError("`rows` must place every document exactly once.")
+    row_lens = [sum(len(docs[d][0]) for d in row) for row in rows]
+    if row_length is None:
+        width = max(row_lens, default=0)
+        if pad_to_multiple_of:
+            width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+    else:
+        width = row_length
+        if max(row_lens, default=0) > width:
+            raise ValueError(f"A packed row needs {max(row_lens)} tokens, more than row_length={width}.")
+    width = max(width, 1)
+
+    n_rows = len(rows)
+    out_ids = torch.full((n_rows, width), pad_token_id, dtype=torch.long)
+    out_pos = torch.zeros((n_rows, width), dtype=torch.long)
+    out_doc = torch.full((n_rows, width), -1, dtype=torch.long)
+    out_branch = torch.zeros((n_rows, width), dtype=torch.long)
+    stock_index = torch.full((num_stock_rows, stock_len), -1, dtype=torch.long)
+    for i, row in enumerate(rows):
+        cursor = 0
+        for doc_number, d in enumerate(row):
+            tokens, positions, branches, offsets = docs[d]
+            n = len(tokens)
+            sl = slice(cursor, cursor + n)
+            out_ids[i, sl] = torch.tensor(tokens, dtype=torch.long)
+            out_pos[i, sl] = torch.tensor(positions, dtype=torch.long)
+            out_doc[i, sl] = doc_number
+            out_branch[i, sl] = torch.tensor(branches, dtype=torch.long)
+            base = i * width + cursor
+            for r, offs in offsets.items():
+                if offs:
+                    stock_index[r, : len(offs)] = base + torch.tensor(offs, dtype=torch.long)
+            cursor += n
+    # Padding queries see earlier padding only: never a real token, and never an empty row (no NaN in softmax).
+    return {
+        "input_ids": out_ids,
+        "position_ids": out_pos,
+        "document_ids": out_doc,
+        "branch_ids": out_branch,
+        "stock_index": stock_index,
+    }
+
+
+def shared_labels(layout: dict[str, torch.Tensor], stock_labels: torch.Tensor) -> torch.Tensor:
+    """Next-token labels on the shared rows (``shift_labels`` for the fused LM head) from the stock ``labels``.
+
+    The hidden state at a shared position predicts what its stock position predicts; positions shared by several
+    stock rows get the same label from each of them (the layout guarantees it, and it is checked here).
+    """
+    index = layout["stock_index"][:, :-1]
+    labels = stock_labels[:, 1:].to(index.device)
+    valid = (index >= 0) & (labels != -100)
+    flat = torch.full((layout["input_ids"].numel(),), -100, dtype=torch.long, device=index.device)
+    flat[index[valid]] = labels[valid]
+    if not torch.equal(flat[index[valid]], labels[valid]):
+        raise RuntimeError("Prefix-sharing layout error: a shared position would score two different labels.")
+    return flat.view_as(layout["input_ids"])
+
+
+def gather_to_stock(shared: torch.Tensor, index: torch.Tensor, valid: torch.Tensor, fill=0) -> torch.Tensor:
+    """Gather a per-position tensor ``[N, S, ...]`` of the shared rows back to stock positions ``index`` ``[R, T]``.
+
+    Positions where ``valid`` is False get ``fill``. Differentiable: gradients of repeated positions add up, exactly as
+    the stock rows' separate copies of the shared prefix would.
+    """
+    flat = shared.reshape(shared.shape[0] * shared.shape[1], *shared.shape[2:])
+    gathered = flat[index.clamp(min=0)]
+    mask = valid.view(*valid.shape, *([1] * (gathered.dim() - valid.dim())))
+    return torch.where(mask, gathered, torch.as_tensor(fill, dtype=gathered.dtype, device=gathered.device))

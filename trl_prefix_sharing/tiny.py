@@ -1,0 +1,125 @@
+"""Tiny offline building blocks: a word-level tokenizer with a chat template, small random models of the supported
+families, and synthetic preference data. Used by the demo, the tests and the CPU benchmark; nothing is downloaded."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from importlib import resources
+
+__all__ = [
+    "FAMILIES",
+    "make_tokenizer",
+    "make_config",
+    "make_model",
+    "load_demo_dataset",
+    "synthetic_pairs",
+]
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SPECIAL_TOKENS = ["<pad>", "<unk>", "<bos>", "<eos>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|> {{ message['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+WORDS = [f"w{i}" for i in range(200)] + [str(i) for i in range(100)] + [
+    "the", "a", "of", "and", "to", "is", "what", "how", "why", "answer", "question", "step", "so", "sum", "total",
+    "plus", "minus", "times", "equals", "yes", "no", "good", "bad", "because", "therefore", "first", "then",
+]
+
+
+def make_tokenizer(words=None):
+    """A `PreTrainedTokenizerFast` over whitespace-separated words (plus digits and punctuation), with a chat
+    template, `<eos>` as EOS and `<pad>` as padding. Unknown words map to `<unk>`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {}
+    for token in SPECIAL_TOKENS + list(words or WORDS) + list(".,?!:;'\"()-+=*/"):
+        vocab.setdefault(token, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation(behavior="isolated")]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def make_config(family: str, vocab_size: int, hidden_size: int = 32, num_layers: int = 2, **overrides):
+    """A small config of one of `FAMILIES` (GQA: 4 query heads, 2 key/value heads)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=3,
+        tie_word_embeddings=False,
+    )
+    if family == "qwen3":
+        kwargs["head_dim"] = hidden_size // 4
+    kwargs.update(overrides)
+    return classes[family](**kwargs)
+
+
+def make_model(family: str, vocab_size: int, seed: int = 0, attn_implementation: str = "sdpa", **config_kwargs):
+    """A randomly initialised causal LM of `family`, fp32 (the config is copied: nothing is shared between models)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(make_config(family, vocab_size, **config_kwargs))
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+
+
+def load_demo_dataset():
+    """The preference dataset shipped with the package (`data/demo_preferences.jsonl`): long prompts, short answers."""
+    from datasets import Dataset
+
+    text = resources.files("trl_prefix_sharing").joinpath("data/demo_preferences.jsonl").read_text()
+    return Dataset.from_list([json.loads(line) for line in text.splitlines() if line.strip()])
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS[:200]) for _ in range(n))
+
+
+def synthetic_pairs(n: int, prompt_len: int | tuple[int, int], completion_len: int | tuple[int, int], seed: int = 0,
+                    conversational: bool = False):
+    """`n` random preference examples with prompt/completion lengths (in words) drawn uniformly from the ranges."""
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+
+    def draw(spec):
+        return spec if isinstance(spec, int) else rng.randint(*spec)
+
+    rows = []
+    for _ in range(n):
+        prompt, chosen, rejected = _words(rng, draw(prompt_len)), _words(rng, draw(completion_len)), _words(
+            rng, draw(completion_len)
+        )
+        if conversational:
+            rows.append({
+                "prompt": [{"role": "user", "content": prompt}],
+                "chosen": [{"role": "assistant", "content": chosen}],
+                "rejected": [{"role": "assistant", "content": rejected}],
+            })
+        else:
+            rows.append({"prompt": prompt, "chosen": " " + chosen, "rejected": " " + rejected})
+    return Dataset.from_list(rows)
