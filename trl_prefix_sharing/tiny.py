@@ -42,6 +42,7 @@ def make_tokenizer(words=None):
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation(behavior="isolated")]
     )
+    backend.add_special_tokens(SPECIAL_TOKENS)  # matched whole, before pre-tokenization splits punctuation
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token="<bos>",

@@ -1,0 +1,135 @@
+"""Helpers that run stock TRL and the prefix-shared trainer side by side, from identical weights, on identical data."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import torch
+import trl
+from datasets import Dataset
+
+from trl_prefix_sharing import DPOConfig, DPOTrainer
+from trl_prefix_sharing.tiny import make_model
+
+_counter = itertools.count()
+
+
+def dpo_args(tmp_path, prefix_sharing: bool | None, **overrides):
+    """`prefix_sharing=None` -> TRL's own `DPOConfig` (stock); True/False -> ours."""
+    kwargs = dict(
+        output_dir=str(tmp_path / f"run{next(_counter)}"),
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        max_length=None,
+        seed=0,
+    )
+    kwargs.update(overrides)
+    if prefix_sharing is None:
+        return trl.DPOConfig(**kwargs)
+    return DPOConfig(prefix_sharing=prefix_sharing, **kwargs)
+
+
+def make_trainers(tmp_path, family, dataset, tokenizer, ref_model="copy", eval_dataset=None, model=None,
+                  peft_config=None, config_kwargs=None, **overrides):
+    """(stock TRL trainer, prefix-shared trainer) with deep-copied identical policy (and reference) models."""
+    config_kwargs = config_kwargs or {}
+    if model is None:
+        model = make_model(family, len(tokenizer), seed=0, **config_kwargs)
+    ref = make_model(family, len(tokenizer), seed=1, **config_kwargs) if ref_model == "copy" else ref_model
+    trainers = []
+    for prefix_sharing in (None, True):
+        cls = trl.DPOTrainer if prefix_sharing is None else DPOTrainer
+        trainers.append(
+            cls(
+                model=copy.deepcopy(model) if not isinstance(model, str) else model,
+                ref_model=copy.deepcopy(ref) if ref is not None else None,
+                args=dpo_args(tmp_path, prefix_sharing, **overrides),
+                train_dataset=dataset,
+                eval_dataset=eval_dataset,
+                processing_class=tokenizer,
+                peft_config=copy.deepcopy(peft_config),
+            )
+        )
+    return trainers
+
+
+def step(trainer, examples):
+    """One training loss + backward on `examples`: loss, gradients by name, per-pair policy log-probs, metrics."""
+    trainer.model.train()
+    trainer.model.zero_grad(set_to_none=True)
+    trainer._metrics["train"].clear()
+    batch = trainer._prepare_inputs(trainer.data_collator(examples))
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    chosen, rejected = trainer.compute_ref_log_probs(trainer.model, batch)
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    trainer.model.zero_grad(set_to_none=True)
+    return {"loss": loss.detach(), "grads": grads, "chosen": chosen, "rejected": rejected, "metrics": metrics,
+            "batch": batch}
+
+
+def assert_same_step(stock, shared, atol=1e-5, rtol=1e-5):
+    """Loss, per-pair log-probs, every stock metric and every gradient equal; compared tensors non-empty."""
+    assert stock["chosen"].numel() > 0 and stock["rejected"].numel() > 0
+    torch.testing.assert_close(shared["chosen"], stock["chosen"], atol=atol, rtol=rtol)
+    torch.testing.assert_close(shared["rejected"], stock["rejected"], atol=atol, rtol=rtol)
+    torch.testing.assert_close(shared["loss"], stock["loss"], atol=atol, rtol=rtol)
+    assert stock["metrics"], "no metrics were logged"
+    for key, value in stock["metrics"].items():
+        torch.testing.assert_close(torch.tensor(float(shared["metrics"][key])), torch.tensor(float(value)),
+                                   atol=atol, rtol=rtol, msg=lambda m, key=key: f"metric {key}: {m}")
+    assert stock["grads"] and set(shared["grads"]) == set(stock["grads"])
+    for name, grad in stock["grads"].items():
+        assert grad.numel() > 0
+        torch.testing.assert_close(shared["grads"][name], grad, atol=atol, rtol=rtol,
+                                   msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+def compare_step(stock_trainer, shared_trainer, n=None, **tolerances):
+    dataset = stock_trainer.train_dataset
+    examples = [dataset[i] for i in range(len(dataset) if n is None else min(n, len(dataset)))]
+    stock = step(stock_trainer, examples)
+    shared = step(shared_trainer, examples)
+    assert "prefix_sharing" in shared["batch"] and "prefix_sharing" not in stock["batch"]
+    assert_same_step(stock, shared, **tolerances)
+    return stock, shared
+
+
+def awkward_text_dataset() -> Dataset:
+    """Real-data corner cases, in plain text (TRL appends EOS to each completion)."""
+    rows = [
+        {"prompt": "w1", "chosen": " w2 w3", "rejected": " w4"},  # one-token prompt
+        {"prompt": "w5 w6 w7 w8 w9", "chosen": " w10", "rejected": " " + " ".join(f"w{i}" for i in range(40, 80))},
+        {"prompt": "what is the sum of 3 and 4 ?", "chosen": " 7", "rejected": " 7"},  # identical completions
+        {"prompt": "w11 w12 w13", "chosen": " w14 w15 w16 w17", "rejected": " w14 w15 w18"},  # shared first tokens
+        {"prompt": "w20 w21 w22 w23", "chosen": "", "rejected": " w24 w25"},  # empty completion (EOS only)
+        {"prompt": " ".join(f"w{i}" for i in range(100, 160)), "chosen": " w1 w2", "rejected": " w3"},  # long prompt
+        {"prompt": "w30 w31", "chosen": " w32 w33 w34 w35 w36 w37 w38 w39", "rejected": " w32"},
+        {"prompt": "the answer", "chosen": " is yes", "rejected": " is no because"},
+    ]
+    return Dataset.from_list(rows)
+
+
+def conversational_dataset() -> Dataset:
+    """Multi-turn conversational prompts (system + several user/assistant turns)."""
+    rows = []
+    for i in range(6):
+        prompt = [
+            {"role": "system", "content": "w1 w2 w3"},
+            {"role": "user", "content": f"what is w{i} plus w{i + 1} ?"},
+            {"role": "assistant", "content": f"w{i + 2} w{i + 3} so the sum"},
+            {"role": "user", "content": " ".join(f"w{j}" for j in range(i, i + 3 + 4 * i))},
+        ]
+        rows.append({
+            "prompt": prompt,
+            "chosen": [{"role": "assistant", "content": " ".join(f"w{j}" for j in range(50, 52 + i))}],
+            "rejected": [{"role": "assistant", "content": "no" if i % 2 else f"w50 w51 w{90 + i}"}],
+        })
+    return Dataset.from_list(rows)

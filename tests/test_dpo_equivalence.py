@@ -1,0 +1,179 @@
+"""Prefix-shared DPO computes stock TRL's numbers: families x data, loss types, reference setups, training loop."""
+
+import copy
+
+import pytest
+import torch
+from equivalence import awkward_text_dataset, compare_step, conversational_dataset, make_trainers, step
+
+import trl_prefix_sharing.attention as attention_module
+from trl_prefix_sharing.mask import causal, same_document
+from trl_prefix_sharing.tiny import FAMILIES, synthetic_pairs
+
+DATA = {
+    "awkward_text": lambda: (awkward_text_dataset(), {}),
+    "truncated_keep_start": lambda: (awkward_text_dataset(), {"max_length": 12}),
+    "conversational_multiturn": lambda: (conversational_dataset(), {"max_length": 40}),
+}
+
+
+@pytest.mark.parametrize("data", list(DATA))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_step_matches_stock(tmp_path, tokenizer, family, data):
+    dataset, overrides = DATA[data]()
+    stock, shared = make_trainers(tmp_path, family, dataset, tokenizer, **overrides)
+    _, result = compare_step(stock, shared)
+    layout = result["batch"]["prefix_sharing"]
+    assert (layout["document_ids"] >= 0).sum() < result["batch"]["attention_mask"].sum()
+
+
+def test_truncation_keep_end_matches_stock(tmp_path, tokenizer):
+    # keep_end cuts each row from the left by its own amount: rows then share no prefix, and must still be exact.
+    stock, shared = make_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer, max_length=10,
+                                  truncation_mode="keep_end")
+    compare_step(stock, shared)
+
+
+def test_wrong_mask_fails(tmp_path, tokenizer, monkeypatch):
+    """A mask that lets the rejected completion see the chosen one must break the comparison."""
+    stock, shared = make_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer)
+    compare_step(stock, shared)  # the real mask passes
+
+    def leaky_mask(document_ids, branch_ids, position_ids=None, window=None):
+        from torch.nn.attention.flex_attention import and_masks
+
+        return and_masks(causal, same_document(document_ids))  # forgets prefix_or_same_branch
+
+    monkeypatch.setattr(attention_module, "dpo_mask", leaky_mask)
+    with pytest.raises(AssertionError):
+        compare_step(stock, shared)
+
+
+LOSS_SETTINGS = {
+    **{name: {"loss_types": [name]} for name in [
+        "sigmoid", "hinge", "ipo", "nca_pair", "bco_pair", "sppo_hard", "aot", "aot_unpaired", "apo_zero",
+        "apo_down", "discopop", "sft", "sigmoid_norm"]},
+    "exo_pair": {"loss_types": ["exo_pair"], "label_smoothing": 1e-3},
+    "robust": {"loss_types": ["robust"], "label_smoothing": 0.1},
+    "aot_smoothed": {"loss_types": ["aot"], "label_smoothing": 0.1},
+    "weighted_combo": {"loss_types": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
+    "ld_alpha": {"ld_alpha": 0.5},
+    "use_weighting": {"use_weighting": True},
+    "forward_kl": {"f_divergence_type": "forward_kl"},
+    "js_divergence": {"f_divergence_type": "js_divergence"},
+    "alpha_divergence": {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.5},
+}
+
+
+@pytest.fixture(scope="module")
+def loss_trainers(tmp_path_factory, tokenizer):
+    # `use_weighting=True` at init makes the fused head compute every per-token field; the loss settings are then
+    # switched on the trainers' attributes (TRL copies them from the config at init).
+    dataset = synthetic_pairs(8, (1, 40), (1, 8), seed=3)
+    return make_trainers(tmp_path_factory.mktemp("loss"), "qwen2", dataset, tokenizer, use_weighting=True)
+
+
+@pytest.mark.parametrize("setting", list(LOSS_SETTINGS))
+def test_loss_types_match_stock(loss_trainers, setting):
+    defaults = {"loss_types": ["sigmoid"], "loss_weights": None, "label_smoothing": 0.0, "ld_alpha": None,
+                "use_weighting": False, "f_divergence_type": "reverse_kl", "f_alpha_divergence_coef": 1.0}
+    values = {**defaults, **LOSS_SETTINGS[setting]}
+    values["loss_weights"] = values["loss_weights"] or [1.0] * len(values["loss_types"])
+    for trainer in loss_trainers:
+        for key, value in values.items():
+            setattr(trainer, key, value)
+    # a few optimizer-free steps away from the reference, so that losses are not at their symmetric starting point
+    compare_step(*loss_trainers)
+
+
+def test_precompute_ref_log_probs_matches_stock(tmp_path, tokenizer):
+    dataset = synthetic_pairs(10, (1, 30), (1, 6), seed=4)
+    stock, shared = make_trainers(tmp_path, "qwen3", dataset, tokenizer, ref_model=None, precompute_ref_log_probs=True,
+                                  precompute_ref_batch_size=3)
+    for column in ("ref_chosen_logps", "ref_rejected_logps"):
+        expected = torch.tensor(stock.train_dataset[column])
+        assert expected.numel() == 10
+        torch.testing.assert_close(torch.tensor(shared.train_dataset[column]), expected, atol=1e-5, rtol=1e-5)
+    compare_step(stock, shared)
+
+
+def test_reference_reloaded_from_model_path(tmp_path, tokenizer):
+    from trl_prefix_sharing.tiny import make_model
+
+    path = tmp_path / "policy"
+    make_model("mistral", len(tokenizer), seed=5).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    stock, shared = make_trainers(tmp_path, "mistral", awkward_text_dataset(), tokenizer, model=str(path),
+                                  ref_model=None)
+    assert shared.ref_model is not None
+    compare_step(stock, shared)
+
+
+def test_peft_lora_matches_stock(tmp_path, tokenizer):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+    stock, shared = make_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer, ref_model=None,
+                                  peft_config=lora)
+    # move the adapters away from zero so the policy differs from the reference (adapters disabled)
+    for trainer in (stock, shared):
+        torch.manual_seed(7)
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:
+                param.data.normal_(0, 0.05)
+    stock_result, shared_result = compare_step(stock, shared)
+    assert all("lora" in name for name in shared_result["grads"])
+
+
+@pytest.mark.parametrize("gradient_checkpointing", [True, False])
+def test_training_and_evaluation_match_stock(tmp_path, tokenizer, gradient_checkpointing):
+    train = synthetic_pairs(12, (1, 40), (1, 8), seed=6)
+    evaluation = synthetic_pairs(7, (1, 40), (1, 8), seed=7)
+    stock, shared = make_trainers(tmp_path, "llama", train, tokenizer, eval_dataset=evaluation, max_steps=3,
+                                  learning_rate=1e-2, gradient_checkpointing=gradient_checkpointing,
+                                  loss_type=["sigmoid", "sft"])
+    stock.train()
+    shared.train()
+    stock_logs = [log for log in stock.state.log_history if "loss" in log]
+    shared_logs = [log for log in shared.state.log_history if "loss" in log]
+    assert len(stock_logs) == len(shared_logs) == 3
+    for expected, actual in zip(stock_logs, shared_logs):
+        for key, value in expected.items():
+            assert actual[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+        assert actual["num_shared_tokens"] < actual["num_tokens"]
+    for name, param in stock.model.named_parameters():
+        torch.testing.assert_close(dict(shared.model.named_parameters())[name], param, atol=1e-5, rtol=1e-4)
+    stock_eval, shared_eval = stock.evaluate(), shared.evaluate()
+    assert "eval_loss" in stock_eval
+    for key, value in stock_eval.items():
+        if "runtime" in key or "per_second" in key:
+            continue
+        assert shared_eval[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+
+
+def test_prefix_sharing_off_is_stock(tmp_path, tokenizer):
+    from equivalence import dpo_args
+
+    from trl_prefix_sharing import DPOTrainer
+    from trl_prefix_sharing.tiny import make_model
+
+    model, ref = make_model("qwen2", len(tokenizer)), make_model("qwen2", len(tokenizer), seed=1)
+    trainer = DPOTrainer(model=model, ref_model=ref, args=dpo_args(tmp_path, False), train_dataset=awkward_text_dataset(),
+                         processing_class=tokenizer)
+    examples = [trainer.train_dataset[i] for i in range(4)]
+    batch = trainer.data_collator(examples)
+    assert "prefix_sharing" not in batch
+    result = step(trainer, examples)
+    assert torch.isfinite(result["loss"])
+
+
+def test_policy_computes_fewer_positions_on_long_prompts(tmp_path, tokenizer):
+    dataset = synthetic_pairs(16, (150, 250), (5, 20), seed=8)
+    stock, shared = make_trainers(tmp_path, "llama", dataset, tokenizer)
+    examples = [shared.train_dataset[i] for i in range(8)]
+    batch = shared.data_collator(examples)
+    stock_positions = int(batch["attention_mask"].sum())
+    shared_positions = int((batch["prefix_sharing"]["document_ids"] >= 0).sum())
+    assert shared_positions < 0.6 * stock_positions
+    # and the padded tensors the model really runs on are smaller too
+    assert batch["prefix_sharing"]["input_ids"].numel() < 0.6 * batch["input_ids"].numel()
