@@ -1,0 +1,126 @@
+"""Sliding-window models, what a saved model keeps, and clear errors for what prefix sharing cannot do."""
+
+import json
+
+import pytest
+import torch
+from datasets import Dataset
+from equivalence import awkward_text_dataset, compare_step, dpo_args, make_trainers
+
+from trl_prefix_sharing import DPOConfig, DPOTrainer
+from trl_prefix_sharing.attention import AttentionSwitch, resolve_attn_implementation
+from trl_prefix_sharing.tiny import make_model
+
+
+@pytest.mark.parametrize(
+    "family,config_kwargs",
+    [
+        ("mistral", {"sliding_window": 6}),  # every layer slides
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),  # full + sliding
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
+    ],
+)
+def test_sliding_window_models_match_stock(tmp_path, tokenizer, family, config_kwargs):
+    stock, shared = make_trainers(tmp_path, family, awkward_text_dataset(), tokenizer, config_kwargs=config_kwargs)
+    compare_step(stock, shared)
+
+
+def test_saved_model_has_no_prefix_sharing_trace(tmp_path, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    _, shared = make_trainers(tmp_path, "qwen3", awkward_text_dataset(), tokenizer, max_steps=1)
+    shared.train()
+    out = tmp_path / "saved"
+    shared.save_model(str(out))
+    config = json.loads((out / "config.json").read_text())
+    assert not any("attn" in key for key in config), config.keys()
+    assert "prefix" not in json.dumps(config)
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.tensor([[5, 6, 7]])
+    torch.testing.assert_close(reloaded(ids).logits, shared.model(input_ids=ids).logits)  # plain forward unchanged
+
+
+def test_attention_switch_is_scoped_and_reversible(tokenizer):
+    model = make_model("llama", len(tokenizer))
+    other = make_model("llama", len(tokenizer))
+    switch = AttentionSwitch()
+    switch.apply(model, "flex_attention")
+    assert model.config._attn_implementation == "flex_attention"
+    assert other.config._attn_implementation == "sdpa"
+    assert make_model("llama", len(tokenizer)).config._attn_implementation == "sdpa"
+    switch.restore()
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_remove_prefix_sharing_restores_forward(tmp_path, tokenizer):
+    _, shared = make_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer)
+    policy = shared.model
+    assert "_prefix_sharing_original_forward" in policy.__dict__
+    shared.remove_prefix_sharing()
+    assert "_prefix_sharing_original_forward" not in policy.__dict__
+    assert not shared.args.prefix_sharing
+    batch = shared.data_collator([shared.train_dataset[0]])
+    assert "prefix_sharing" not in batch
+
+
+def test_flex_attention_on_cpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="no backward pass on cpu"):
+        resolve_attn_implementation("flex_attention", torch.device("cpu"))
+    assert resolve_attn_implementation("auto", torch.device("cpu")) == "sdpa"
+    with pytest.raises(ValueError, match="must be one of"):
+        resolve_attn_implementation("eager", torch.device("cpu"))
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path, tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match="llama, mistral, qwen2, qwen3.*'gpt2'"):
+        DPOTrainer(model=model, args=dpo_args(tmp_path, True), train_dataset=awkward_text_dataset(),
+                   processing_class=tokenizer)
+
+
+def test_padding_free_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="padding_free"):
+        DPOConfig(output_dir=str(tmp_path), prefix_sharing=True, padding_free=True, bf16=False, use_cpu=True)
+
+
+@pytest.mark.parametrize(
+    "rows,match",
+    [
+        ([{"prompt": "w1", "chosen": " w2"}], "needs 'chosen' and 'rejected'"),
+        ([{"prompt": "w1", "chosen": " w2", "rejected": " w3", "image": None}], "vision"),
+    ],
+)
+def test_bad_datasets_are_clear_errors(tmp_path, tokenizer, rows, match):
+    model = make_model("llama", len(tokenizer))
+    with pytest.raises(ValueError, match=match):
+        DPOTrainer(model=model, args=dpo_args(tmp_path, True), train_dataset=Dataset.from_list(rows),
+                   processing_class=tokenizer)
+
+
+def test_empty_prompt_is_exact_and_documented(tmp_path, tokenizer):
+    """An empty prompt gives no shared prefix: the pair runs as two sequences in one row, with stock's numbers."""
+    rows = [{"prompt": "", "chosen": " w1 w2", "rejected": " w3"}, {"prompt": "", "chosen": " w4", "rejected": " w4 w5"}]
+    stock, shared = make_trainers(tmp_path, "llama", Dataset.from_list(rows), tokenizer)
+    compare_step(stock, shared)
+
+
+def test_prompt_learning_peft_is_a_clear_error(tmp_path, tokenizer):
+    from peft import PromptTuningConfig
+
+    with pytest.raises(ValueError, match="prompt-learning"):
+        DPOTrainer(model=make_model("llama", len(tokenizer)), args=dpo_args(tmp_path, True),
+                   train_dataset=awkward_text_dataset(), processing_class=tokenizer,
+                   peft_config=PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+
+
+def test_custom_collator_that_changes_the_batch_is_refused(tmp_path, tokenizer):
+    from trl_prefix_sharing.forward import check_layout_matches
+
+    _, shared = make_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer)
+    batch = shared.data_collator([shared.train_dataset[i] for i in range(2)])
+    tampered = batch["input_ids"].clone()
+    tampered[0, 0] += 1
+    with pytest.raises(RuntimeError, match="does not hold the stock batch"):
+        check_layout_matches(batch["prefix_sharing"], tampered, batch["attention_mask"])
