@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up (.venv) and run the demo: stock TRL vs prefix-shared DPO on the shipped dataset, offline, CPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+.venv/bin/python -m trl_prefix_sharing.demo "$@"
