@@ -26,6 +26,15 @@ class DPOConfig(trl.DPOConfig):
         `"sdpa"` (the same mask, dense, through `scaled_dot_product_attention`; any device), or `"auto"`
         (FlexAttention on CUDA, SDPA elsewhere). The model's attention implementation is switched for training only;
         saved configs are unaffected.
+    packing (`bool`, *optional*, defaults to `False`):
+        Pack several examples into one row with a multipack first-fit-decreasing sampler, removing padding. Each
+        example is one document of the row (no token sees another example). Works with and without
+        `prefix_sharing` (without it, the chosen and rejected sequences of a pair are two documents). A packed step
+        holds a variable number of pairs; the loss is normalised so that every pair weighs the same across packing,
+        gradient accumulation and ranks.
+    packing_length (`int` or `None`, *optional*, defaults to `None`):
+        Tokens per packed row. `None`: `per_device_train_batch_size` times the longest packing unit of the dataset,
+        rounded up to a multiple of 128. Rows are padded to exactly this length so FlexAttention shapes stay fixed.
     """
 
     prefix_sharing: bool = field(
@@ -44,6 +53,21 @@ class DPOConfig(trl.DPOConfig):
         },
     )
 
+    packing: bool = field(
+        default=False,
+        metadata={
+            "help": "Pack several examples per row with a multipack first-fit-decreasing sampler (no padding); every "
+            "pair keeps the same weight in the loss."
+        },
+    )
+    packing_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Tokens per packed row. Default: per_device_train_batch_size x the longest packing unit, rounded "
+            "up to a multiple of 128."
+        },
+    )
+
     def __post_init__(self):
         super().__post_init__()
         if self.prefix_sharing_attn_implementation not in ATTN_IMPLEMENTATIONS:
@@ -51,8 +75,10 @@ class DPOConfig(trl.DPOConfig):
                 f"`prefix_sharing_attn_implementation` must be one of {ATTN_IMPLEMENTATIONS}, got "
                 f"{self.prefix_sharing_attn_implementation!r}."
             )
-        if self.prefix_sharing and self.padding_free:
+        if (self.prefix_sharing or self.packing) and self.padding_free:
             raise ValueError(
-                "`prefix_sharing=True` cannot be combined with `padding_free=True`: both rewrite the batch layout, and "
-                "TRL 1.16 has padding-free DPO disabled anyway. Set `padding_free=False`."
+                "`prefix_sharing`/`packing` cannot be combined with `padding_free=True`: both rewrite the batch layout, "
+                "and TRL 1.16 has padding-free DPO disabled anyway. Set `padding_free=False`."
             )
+        if self.packing_length is not None and self.packing_length <= 0:
+            raise ValueError(f"`packing_length` must be positive, got {self.packing_length}.")

@@ -8,11 +8,14 @@ builds the attention mask once per step before TRL's own `_compute_loss` / `comp
 from __future__ import annotations
 
 import trl
+import torch
 from datasets import Dataset, IterableDataset
+from transformers.trainer_pt_utils import BatchRebalanceSampler
 from transformers.utils import logging
 
 from .attention import AttentionSwitch, build_attention_mask, check_supported_model, resolve_attn_implementation
-from .collator import PrefixSharingCollator
+from .collator import PrefixSharingCollator, unit_lengths
+from .sampler import MultipackSampler
 from .dpo_config import DPOConfig
 from .forward import install_prefix_sharing_forward, remove_prefix_sharing_forward, unwrap_model
 from .stats import sharing_stats
@@ -51,6 +54,21 @@ def _check_preference_dataset(dataset, name: str) -> None:
         )
 
 
+# Metrics TRL averages over completion tokens (the rest are per-pair means, or running totals): with packing, a step
+# holds a variable number of pairs and tokens, so each step's value is weighted by what it averaged over.
+_TOKEN_WEIGHTED_METRICS = {"entropy": "all", "logits/chosen": "chosen", "logits/rejected": "rejected",
+                           "mean_token_accuracy": "chosen"}
+_RUNNING_TOTALS = {"num_tokens", "num_shared_tokens"}
+
+
+class _TrainerMultipackSampler(MultipackSampler, BatchRebalanceSampler):
+    """A `MultipackSampler` the Trainer passes as `batch_sampler` and does not re-shard (it is already rank-aware):
+    transformers' `_get_dataloader` does exactly this for `BatchRebalanceSampler` instances."""
+
+    def __init__(self, *args, **kwargs):
+        MultipackSampler.__init__(self, *args, **kwargs)
+
+
 class DPOTrainer(trl.DPOTrainer):
     """TRL's [`trl.DPOTrainer`], computing each prompt once when `args.prefix_sharing=True`.
 
@@ -59,6 +77,10 @@ class DPOTrainer(trl.DPOTrainer):
     precision; the model computes `len(prompt) + len(chosen) + len(rejected) + 1` positions per pair instead of
     `2 * len(prompt) + len(chosen) + len(rejected)`. `num_tokens` is logged as in stock TRL (tokens of the stock rows);
     `num_shared_tokens` counts the positions really computed.
+
+    With `args.packing=True`, a multipack sampler fills rows of `packing_length` tokens with whole examples; the loss
+    is rescaled so that every pair weighs the same whatever the packing, across gradient accumulation and ranks, and
+    logged metrics are weighted by the pairs (or completion tokens) each step averaged over.
     """
 
     def __init__(
@@ -80,7 +102,10 @@ class DPOTrainer(trl.DPOTrainer):
         self._attention_switch = AttentionSwitch()
         self._sharing_logged = False
         self._total_shared_tokens = 0
-        if args is not None and getattr(args, "prefix_sharing", False):
+        self._pairs_in_window = None
+        self._unit_lengths_cache = {}
+        self._metric_weights = {"train": {}, "eval": {}}
+        if args is not None and (getattr(args, "prefix_sharing", False) or getattr(args, "packing", False)):
             self._check_before_init(model, args, train_dataset, eval_dataset, processing_class, peft_config)
         super().__init__(
             model=model,
@@ -103,10 +128,19 @@ class DPOTrainer(trl.DPOTrainer):
     def prefix_sharing(self) -> bool:
         return bool(getattr(self.args, "prefix_sharing", False))
 
+    @property
+    def packing(self) -> bool:
+        return bool(getattr(self.args, "packing", False))
+
+    @property
+    def _uses_layout(self) -> bool:
+        """Prefix sharing and packing both run the model on rows built by `PrefixSharingCollator`."""
+        return self.prefix_sharing or self.packing
+
     @staticmethod
     def _check_before_init(model, args, train_dataset, eval_dataset, processing_class, peft_config) -> None:
         if not isinstance(args, DPOConfig):
-            raise TypeError("`prefix_sharing` needs `trl_prefix_sharing.DPOConfig` as `args`.")
+            raise TypeError("`prefix_sharing`/`packing` need `trl_prefix_sharing.DPOConfig` as `args`.")
         from transformers import ProcessorMixin
 
         if isinstance(processing_class, ProcessorMixin):
@@ -133,7 +167,7 @@ class DPOTrainer(trl.DPOTrainer):
     def _setup_prefix_sharing(self) -> None:
         """Wrap the collator and the models' forwards, switch attention. Idempotent: also called by the precompute
         pass, which TRL runs from inside `__init__`."""
-        if self._prefix_sharing_ready or not self.prefix_sharing:
+        if self._prefix_sharing_ready or not self._uses_layout:
             return
         policy = unwrap_model(self.model)
         if getattr(getattr(self.model, "active_peft_config", None), "is_prompt_learning", False):
@@ -151,8 +185,55 @@ class DPOTrainer(trl.DPOTrainer):
                 self.data_collator,
                 pad_token_id=self._tokenizer.pad_token_id,
                 pad_to_multiple_of=self.args.pad_to_multiple_of,
+                share_prefix=self.prefix_sharing,
             )
+        if self.packing:
+            self.data_collator.packing_length = self._resolve_packing_length()
         self._prefix_sharing_ready = True
+
+    def _unit_lengths(self, dataset) -> list[int]:
+        key = getattr(dataset, "_fingerprint", None) or id(dataset)
+        if key not in self._unit_lengths_cache:
+            self._unit_lengths_cache[key] = unit_lengths(dataset, self.data_collator)
+        return self._unit_lengths_cache[key]
+
+    def _resolve_packing_length(self) -> int:
+        """`packing_length`, or `per_device_train_batch_size` x the longest unit (train and eval), rounded to 128."""
+        if self.args.packing_length is not None:
+            return self.args.packing_length
+        datasets = [self.train_dataset]
+        if isinstance(self.eval_dataset, dict):
+            datasets += list(self.eval_dataset.values())
+        elif self.eval_dataset is not None:
+            datasets.append(self.eval_dataset)
+        longest = 1
+        for dataset in datasets:
+            if not isinstance(dataset, Dataset):
+                raise ValueError("`packing=True` needs map-style datasets (the sampler needs every example's length).")
+            longest = max([longest, *self._unit_lengths(dataset)])
+        return -(-self.args.per_device_train_batch_size * longest // 128) * 128
+
+    def _multipack_sampler(self, dataset, shuffle: bool):
+        self._setup_prefix_sharing()
+        return _TrainerMultipackSampler(
+            self._unit_lengths(dataset),
+            self.data_collator.packing_length,
+            num_replicas=self.args.world_size,
+            rank=self.args.process_index,
+            seed=self.args.seed,
+            drop_last=self.args.dataloader_drop_last,
+            shuffle=shuffle,
+        )
+
+    def _get_train_sampler(self, train_dataset=None):
+        if self.packing and isinstance(train_dataset if train_dataset is not None else self.train_dataset, Dataset):
+            return self._multipack_sampler(train_dataset if train_dataset is not None else self.train_dataset, True)
+        return super()._get_train_sampler(train_dataset)
+
+    def _get_eval_sampler(self, eval_dataset):
+        if self.packing and isinstance(eval_dataset, Dataset):
+            return self._multipack_sampler(eval_dataset, False)
+        return super()._get_eval_sampler(eval_dataset)
 
     def remove_prefix_sharing(self) -> None:
         """Undo the patches on the models (forward wrap and attention switch); the trainer then cannot train with
@@ -164,12 +245,13 @@ class DPOTrainer(trl.DPOTrainer):
             self.data_collator = self.data_collator.base_collator
         self._prefix_sharing_ready = False
         self.args.prefix_sharing = False
+        self.args.packing = False
 
     # ----------------------------------------------------------------------------------------------- per step
     def _attach_attention_mask(self, inputs) -> None:
         layout = inputs.get("prefix_sharing") if isinstance(inputs, dict) else None
         if layout is None:
-            if self.prefix_sharing:
+            if self._uses_layout:
                 raise RuntimeError("Prefix sharing is on but the batch has no layout: was the data collator replaced?")
             return
         if "attention_mask" not in layout:
@@ -185,19 +267,72 @@ class DPOTrainer(trl.DPOTrainer):
         self._attach_attention_mask(inputs)
         return super().compute_ref_log_probs(model, inputs)
 
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self.packing:
+            # pairs in this optimizer step over every micro-batch and every rank: each pair's share of the gradient
+            pairs = torch.tensor(sum(b["input_ids"].shape[0] // 2 for b in batch_samples), device=device)
+            self._pairs_in_window = int(self.accelerator.gather(pairs).sum().item())
+        return batch_samples, num_items_in_batch
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         self._attach_attention_mask(inputs)
-        if self.prefix_sharing and self.model.training:
+        mode = "train" if self.model.training else "eval"
+        if self._uses_layout and mode == "train":
             shared = (inputs["prefix_sharing"]["document_ids"] >= 0).sum()
             self._total_shared_tokens += int(self.accelerator.gather_for_metrics(shared).sum().item())
             self._metrics["train"]["num_shared_tokens"] = [self._total_shared_tokens]
-        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if self.packing:
+            before = {key: len(values) for key, values in self._metrics[mode].items()}
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        if not self.packing:
+            return result
+        self._record_metric_weights(mode, inputs, before)
+        if mode == "train" and self._pairs_in_window:
+            # TRL averages over the pairs of this micro-batch; make it a sum over the pairs of the whole step (every
+            # micro-batch of every rank), undoing the Trainer's division by the accumulation steps and DDP's mean.
+            pairs = inputs["input_ids"].shape[0] // 2
+            scale = pairs * self.current_gradient_accumulation_steps * self.accelerator.num_processes
+            scale /= self._pairs_in_window
+            result = (result[0] * scale, result[1]) if return_outputs else result * scale
+        return result
+
+    def _record_metric_weights(self, mode, inputs, before) -> None:
+        mask = inputs["completion_mask"][:, 1:]
+        pairs = mask.shape[0] // 2
+        counts = torch.stack([torch.tensor(pairs, device=mask.device), mask.sum(), mask[:pairs].sum(),
+                              mask[pairs:].sum()])
+        pairs, all_tokens, chosen, rejected = self.accelerator.gather_for_metrics(counts.unsqueeze(0)).sum(0).tolist()
+        weight_of = {"all": all_tokens, "chosen": chosen, "rejected": rejected}
+        weights = self._metric_weights[mode]
+        for key, values in self._metrics[mode].items():
+            if key in _RUNNING_TOTALS or len(values) == before.get(key, 0):
+                continue
+            weights.setdefault(key, []).append(weight_of.get(_TOKEN_WEIGHTED_METRICS.get(key), pairs))
+
+    def log(self, logs, start_time=None):
+        mode = "train" if self.model.training else "eval"
+        if self.packing:
+            for key, weights in self._metric_weights[mode].items():
+                values = self._metrics[mode].get(key, [])
+                if values and len(values) == len(weights):
+                    total = sum(weights)
+                    mean = sum(v * w for v, w in zip(values, weights)) / total if total else 0.0
+                    self._metrics[mode][key] = [mean]
+            self._metric_weights[mode] = {}
+        return super().log(logs, start_time)
 
     def train(self, *args, **kwargs):
-        if self.prefix_sharing and not self._sharing_logged and isinstance(self.train_dataset, Dataset):
-            stats = sharing_stats(self.train_dataset, self.data_collator)
+        if self._uses_layout and not self._sharing_logged and isinstance(self.train_dataset, Dataset):
+            stats = sharing_stats(self.train_dataset, self.data_collator.unpacked()) if self.prefix_sharing else None
+            message = stats.summary() if stats is not None else ""
+            if self.packing:
+                sampler = self._multipack_sampler(self.train_dataset, shuffle=True)
+                message += (f" Packing: rows of {self.data_collator.packing_length} tokens, {len(sampler)} per epoch "
+                            f"on this rank, {100 * sampler.efficiency():.1f}% of their tokens used.")
             if self.args.should_log:
-                logger.warning(stats.summary())
+                logger.warning(message.strip())
             self.sharing_stats = stats
             self._sharing_logged = True
         return super().train(*args, **kwargs)
