@@ -15,8 +15,9 @@ from trl_prefix_sharing.tiny import make_model
 _counter = itertools.count()
 
 
-def dpo_args(tmp_path, prefix_sharing: bool | None, **overrides):
-    """`prefix_sharing=None` -> TRL's own `DPOConfig` (stock); True/False -> ours."""
+def dpo_args(tmp_path, ours: bool | dict | None, **overrides):
+    """`ours=None` -> TRL's own `DPOConfig` (stock); a bool -> ours with that `prefix_sharing`; a dict -> ours with
+    those fields (`prefix_sharing`, `packing`, ...)."""
     kwargs = dict(
         output_dir=str(tmp_path / f"run{next(_counter)}"),
         per_device_train_batch_size=4,
@@ -30,26 +31,29 @@ def dpo_args(tmp_path, prefix_sharing: bool | None, **overrides):
         seed=0,
     )
     kwargs.update(overrides)
-    if prefix_sharing is None:
+    if ours is None:
         return trl.DPOConfig(**kwargs)
-    return DPOConfig(prefix_sharing=prefix_sharing, **kwargs)
+    if isinstance(ours, bool):
+        ours = {"prefix_sharing": ours}
+    return DPOConfig(**ours, **kwargs)
 
 
 def make_trainers(tmp_path, family, dataset, tokenizer, ref_model="copy", eval_dataset=None, model=None,
-                  peft_config=None, config_kwargs=None, **overrides):
-    """(stock TRL trainer, prefix-shared trainer) with deep-copied identical policy (and reference) models."""
+                  peft_config=None, config_kwargs=None, ours=None, **overrides):
+    """(stock TRL trainer, prefix-shared trainer) with deep-copied identical policy (and reference) models.
+    `ours`: fields only our config has (default `{"prefix_sharing": True}`); `overrides`: fields of both."""
     config_kwargs = config_kwargs or {}
     if model is None:
         model = make_model(family, len(tokenizer), seed=0, **config_kwargs)
     ref = make_model(family, len(tokenizer), seed=1, **config_kwargs) if ref_model == "copy" else ref_model
     trainers = []
-    for prefix_sharing in (None, True):
-        cls = trl.DPOTrainer if prefix_sharing is None else DPOTrainer
+    for options in (None, ours or {"prefix_sharing": True}):
+        cls = trl.DPOTrainer if options is None else DPOTrainer
         trainers.append(
             cls(
                 model=copy.deepcopy(model) if not isinstance(model, str) else model,
                 ref_model=copy.deepcopy(ref) if ref is not None else None,
-                args=dpo_args(tmp_path, prefix_sharing, **overrides),
+                args=dpo_args(tmp_path, options, **overrides),
                 train_dataset=dataset,
                 eval_dataset=eval_dataset,
                 processing_class=tokenizer,

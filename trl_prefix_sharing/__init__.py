@@ -6,12 +6,14 @@ from .dpo_config import DPOConfig
 from .dpo_trainer import DPOTrainer
 from .layout import build_shared_batch
 from .mask import dense_mask, dpo_mask
+from .sampler import MultipackSampler
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DPOConfig",
     "DPOTrainer",
+    "MultipackSampler",
     "PrefixSharingCollator",
     "SUPPORTED_MODEL_TYPES",
     "build_shared_batch",

@@ -16,6 +16,7 @@ from transformers.utils import logging
 from .attention import AttentionSwitch, build_attention_mask, check_supported_model, resolve_attn_implementation
 from .collator import PrefixSharingCollator, unit_lengths
 from .sampler import MultipackSampler
+from .distributed import variable_size_gathers
 from .dpo_config import DPOConfig
 from .forward import install_prefix_sharing_forward, remove_prefix_sharing_forward, unwrap_model
 from .stats import sharing_stats
@@ -261,7 +262,13 @@ class DPOTrainer(trl.DPOTrainer):
 
     def _precompute_ref_logps(self, dataset, name, batch_size):
         self._setup_prefix_sharing()
-        return super()._precompute_ref_logps(dataset, name, batch_size)
+        if not self.packing:
+            return super()._precompute_ref_logps(dataset, name, batch_size)
+        packed_collator, self.data_collator = self.data_collator, self.data_collator.unpacked()
+        try:  # fixed-size batches (TRL's DataLoader), so unpacked rows: one document per row
+            return super()._precompute_ref_logps(dataset, name, batch_size)
+        finally:
+            self.data_collator = packed_collator
 
     def compute_ref_log_probs(self, model, inputs):
         self._attach_attention_mask(inputs)
@@ -284,10 +291,12 @@ class DPOTrainer(trl.DPOTrainer):
             self._metrics["train"]["num_shared_tokens"] = [self._total_shared_tokens]
         if self.packing:
             before = {key: len(values) for key, values in self._metrics[mode].items()}
-        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                      num_items_in_batch=num_items_in_batch)
         if not self.packing:
-            return result
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        with variable_size_gathers(self.accelerator):  # ranks hold different numbers of pairs
+            result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                          num_items_in_batch=num_items_in_batch)
         self._record_metric_weights(mode, inputs, before)
         if mode == "train" and self._pairs_in_window:
             # TRL averages over the pairs of this micro-batch; make it a sum over the pairs of the whole step (every
@@ -310,6 +319,14 @@ class DPOTrainer(trl.DPOTrainer):
             if key in _RUNNING_TOTALS or len(values) == before.get(key, 0):
                 continue
             weights.setdefault(key, []).append(weight_of.get(_TOKEN_WEIGHTED_METRICS.get(key), pairs))
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if self.packing and loss is not None:
+            # `evaluation_loop` weighs every batch by the fixed `eval_batch_size`; a packed batch holds a variable number
+            # of pairs, so repeat its mean once per pair: `eval_loss` is then the per-pair mean over the dataset.
+            loss = loss.reshape(1).repeat(inputs["input_ids"].shape[0] // 2)
+        return loss, logits, labels
 
     def log(self, logs, start_time=None):
         mode = "train" if self.model.training else "eval"

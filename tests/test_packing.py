@@ -1,0 +1,99 @@
+"""Packing: per-pair log-probs and gradients equal stock TRL's on the same pairs, across accumulation; evaluation
+metrics equal stock's per-pair means; the Trainer uses the multipack sampler."""
+
+import pytest
+import torch
+from equivalence import assert_same_step, awkward_text_dataset, make_trainers, step
+
+from trl_prefix_sharing.tiny import synthetic_pairs
+
+
+def _packed_step(trainer, micro_batches):
+    """Gradient of one optimizer step made of packed micro-batches, as the Trainer runs it."""
+    trainer.model.train()
+    trainer.model.zero_grad(set_to_none=True)
+    trainer._metrics["train"].clear()
+    batches = [trainer._prepare_inputs(trainer.data_collator(examples)) for examples in micro_batches]
+    trainer._pairs_in_window = sum(b["input_ids"].shape[0] // 2 for b in batches)
+    trainer.current_gradient_accumulation_steps = len(batches)
+    total = 0.0
+    for batch in batches:
+        assert batch["prefix_sharing"]["input_ids"].shape[0] == 1  # one packed row per micro-batch
+        loss = trainer.compute_loss(trainer.model, batch) / len(batches)  # Trainer's division by accumulation
+        loss.backward()
+        total += loss.detach()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    trainer.model.zero_grad(set_to_none=True)
+    return total, grads
+
+
+@pytest.mark.parametrize("prefix_sharing", [True, False])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_packed_logps_and_gradient_equal_stock(tmp_path, tokenizer, family, prefix_sharing):
+    dataset = awkward_text_dataset()
+    stock, packed = make_trainers(tmp_path, family, dataset, tokenizer, ours={"packing": True, "packing_length": 512,
+                                                                     "prefix_sharing": prefix_sharing})
+    examples = [dataset_row for dataset_row in stock.train_dataset]
+    stock_result = step(stock, examples)
+    packed_result = step(packed, examples)  # one micro-batch, all pairs in one row
+    layout = packed_result["batch"]["prefix_sharing"]
+    assert layout["input_ids"].shape == (1, 512) and int(layout["document_ids"].max()) >= len(examples) - 1
+    packed._pairs_in_window = len(examples)
+    assert_same_step(stock_result, packed_result)
+
+
+def test_gradient_accumulation_weighs_every_pair_equally(tmp_path, tokenizer):
+    dataset = synthetic_pairs(10, (1, 30), (1, 6), seed=11)
+    stock, packed = make_trainers(tmp_path, "mistral", dataset, tokenizer,
+                                  ours={"prefix_sharing": True, "packing": True, "packing_length": 512})
+    examples = [row for row in stock.train_dataset]
+    stock_result = step(stock, examples)  # one stock batch of all 10 pairs
+    # the same pairs in two packed micro-batches of 3 and 7 pairs: plain per-micro-batch means would weigh them unequally
+    loss, grads = _packed_step(packed, [examples[:3], examples[3:]])
+    torch.testing.assert_close(loss, stock_result["loss"], atol=1e-5, rtol=1e-5)
+    assert grads
+    for name, grad in stock_result["grads"].items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-5)
+
+
+def test_evaluate_with_packing_equals_stock_per_pair_means(tmp_path, tokenizer):
+    train = synthetic_pairs(8, (1, 30), (1, 6), seed=12)
+    evaluation = synthetic_pairs(11, (1, 40), (1, 8), seed=13)
+    # stock evaluates all 11 pairs in one batch: its metrics are the per-pair (and per-token) means of the dataset
+    stock, packed = make_trainers(tmp_path, "qwen2", train, tokenizer, eval_dataset=evaluation,
+                                  per_device_eval_batch_size=16,
+                                  ours={"prefix_sharing": True, "packing": True, "packing_length": 128})
+    stock_metrics = stock.evaluate()
+    eval_loader = packed.get_eval_dataloader()
+    assert len(eval_loader) > 2  # the packed evaluation really runs several rows with different numbers of pairs
+    packed_metrics = packed.evaluate()
+    for key, value in stock_metrics.items():
+        if "runtime" in key or "per_second" in key:
+            continue
+        assert packed_metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+
+
+def test_training_uses_the_multipack_sampler(tmp_path, tokenizer):
+    from trl_prefix_sharing.sampler import MultipackSampler
+
+    dataset = synthetic_pairs(24, (5, 60), (1, 10), seed=14)
+    _, packed = make_trainers(tmp_path, "llama", dataset, tokenizer, num_train_epochs=2, per_device_train_batch_size=4,
+                              ours={"prefix_sharing": True, "packing": True})
+    loader = packed.get_train_dataloader()
+    sampler = loader.batch_sampler.batch_sampler if hasattr(loader.batch_sampler, "batch_sampler") else loader.batch_sampler
+    assert isinstance(sampler, MultipackSampler)
+    assert packed.data_collator.packing_length % 128 == 0
+    assert sampler.efficiency() > 0.5
+    seen = sorted(i for batch in sampler for i in batch)
+    assert seen == list(range(len(packed.train_dataset)))
+    packed.train()
+    logs = [log for log in packed.state.log_history if "loss" in log]
+    assert len(logs) == 2 * len(sampler) and all(torch.isfinite(torch.tensor(log["loss"])) for log in logs)
+    assert logs[-1]["num_shared_tokens"] < logs[-1]["num_tokens"]
+
+
+def test_over_long_example_for_packing_length_is_a_clear_error(tmp_path, tokenizer):
+    _, packed = make_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer,
+                              ours={"prefix_sharing": True, "packing": True, "packing_length": 32})
+    with pytest.raises(ValueError, match=r"Item \d+ has length \d+, more than max_tokens=32"):
+        packed.get_train_dataloader()
