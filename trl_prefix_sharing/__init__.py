@@ -2,7 +2,7 @@
 
 from .attention import SUPPORTED_MODEL_TYPES
 from .collator import PrefixSharingCollator
-from .dpo_config import DPOConfig
+from .config import DPOConfig, RewardConfig
 from .dpo_trainer import DPOTrainer
 from .layout import build_shared_batch
 from .mask import dense_mask, dpo_mask
@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DPOConfig",
     "DPOTrainer",
+    "RewardConfig",
     "MultipackSampler",
     "PrefixSharingCollator",
     "SUPPORTED_MODEL_TYPES",

@@ -7,22 +7,23 @@ from typing import Any
 
 from .layout import build_shared_batch
 
-__all__ = ["PrefixSharingCollator"]
+__all__ = ["PrefixSharingCollator", "unit_lengths"]
 
 
 class PrefixSharingCollator:
-    """Wrap a stock TRL preference collator (DPO or reward) and add ``batch["prefix_sharing"]``.
+    """Wrap a stock preference collator (TRL's DPO or reward collator) and add ``batch["prefix_sharing"]``.
 
-    The stock collator builds the ``[2B, L]`` batch exactly as TRL does (truncation included), chosen rows first and
-    rejected rows second; the layout is derived from those very tensors, so the same tokens are scored. The stock
-    tensors stay in the batch: TRL's loss code reads their shapes and masks.
+    The stock collator builds the batch exactly as TRL does (truncation included); the layout is derived from those
+    very tensors, so the same tokens are scored, and the stock tensors stay in the batch for TRL's loss code. Which
+    stock rows belong to one example: TRL's pairwise layout (``B`` chosen rows, then ``B`` rejected rows), or, when the
+    batch has ``group_sizes`` (ranked data, :mod:`trl_prefix_sharing.ranked`), consecutive rows of each example.
 
     Args:
         base_collator: the stock collator (e.g. ``trl.trainer.dpo_trainer.DataCollatorForPreference``).
         pad_token_id: token used to pad the shared rows.
         pad_to_multiple_of: round the shared row length up to a multiple of this (fewer FlexAttention recompiles).
-        share_prefix: one document per pair (prompt computed once). False: the chosen and rejected rows are separate
-            documents (for packing without sharing, the paper's Algorithm 2).
+        share_prefix: one document per example (prompt computed once). False: each stock row is its own document
+            (for packing without sharing, the paper's Algorithm 2).
         packing_length: pack the whole batch into one row of exactly this many tokens (the packing sampler guarantees
             the batch fits). None: one document per row.
     """
@@ -35,24 +36,37 @@ class PrefixSharingCollator:
         self.share_prefix = share_prefix
         self.packing_length = packing_length
 
-    def groups(self, num_pairs: int) -> list[list[int]]:
-        if self.share_prefix:
-            return [[i, num_pairs + i] for i in range(num_pairs)]
-        return [[i] for i in range(num_pairs)] + [[num_pairs + i] for i in range(num_pairs)]
+    @staticmethod
+    def example_groups(batch) -> list[list[int]]:
+        """Stock row indices of each example, in example order."""
+        num_rows = batch["input_ids"].shape[0]
+        if "group_sizes" in batch:
+            groups, start = [], 0
+            for size in batch["group_sizes"].tolist():
+                groups.append(list(range(start, start + size)))
+                start += size
+            if start != num_rows:
+                raise ValueError(f"`group_sizes` add up to {start}, the batch has {num_rows} rows.")
+            return groups
+        if num_rows % 2:
+            raise ValueError(f"A preference batch has chosen and rejected rows; got an odd number ({num_rows}).")
+        half = num_rows // 2
+        return [[i, half + i] for i in range(half)]
+
+    def documents(self, batch) -> list[list[int]]:
+        groups = self.example_groups(batch)
+        return groups if self.share_prefix else [[row] for group in groups for row in group]
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.base_collator(examples)
-        num_rows = batch["input_ids"].shape[0]
-        if num_rows % 2:
-            raise ValueError(f"A preference batch has chosen and rejected rows; got an odd number ({num_rows}).")
-        groups = self.groups(num_rows // 2)
+        documents = self.documents(batch)
         packed = self.packing_length is not None
         batch["prefix_sharing"] = build_shared_batch(
             batch["input_ids"],
             batch["attention_mask"],
-            groups=groups,
+            groups=documents,
             completion_mask=batch.get("completion_mask"),
-            rows=[list(range(len(groups)))] if packed else None,
+            rows=[list(range(len(documents)))] if packed else None,
             pad_token_id=self.pad_token_id,
             pad_to_multiple_of=None if packed else self.pad_to_multiple_of,
             row_length=self.packing_length,
@@ -68,18 +82,16 @@ class PrefixSharingCollator:
 
 
 def unit_lengths(dataset, collator: PrefixSharingCollator, chunk_size: int = 256) -> list[int]:
-    """Tokens each example occupies in a packed row (its document: the shared layout, or both rows unshared),
+    """Tokens each example occupies in a packed row (its document, or its rows' documents when not shared),
     measured by running ``collator`` itself, so truncation and sharing are exactly what training will see."""
     unpacked = collator.unpacked()
     lengths: list[int] = []
     for start in range(0, len(dataset), chunk_size):
-        examples = [dataset[i] for i in range(start, min(start + chunk_size, len(dataset)))]
-        batch = unpacked(examples)
-        documents = batch["prefix_sharing"]["document_ids"] >= 0
-        per_row = documents.sum(dim=1).tolist()
+        batch = unpacked([dataset[i] for i in range(start, min(start + chunk_size, len(dataset)))])
+        per_document = (batch["prefix_sharing"]["document_ids"] >= 0).sum(dim=1).tolist()
+        per_row = dict(zip([doc[0] for doc in unpacked.documents(batch)], per_document))
         if unpacked.share_prefix:
-            lengths.extend(per_row)
-        else:  # rows: chosen documents, then rejected documents
-            half = len(examples)
-            lengths.extend(a + b for a, b in zip(per_row[:half], per_row[half:]))
+            lengths.extend(per_document)
+        else:
+            lengths.extend(sum(per_row[r] for r in group) for group in unpacked.example_groups(batch))
     return lengths

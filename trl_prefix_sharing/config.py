@@ -1,4 +1,4 @@
-"""`DPOConfig`: TRL's DPO configuration plus the prefix-sharing fields."""
+"""Configurations: TRL's `DPOConfig` and `RewardConfig`, plus the prefix-sharing and packing fields."""
 
 from __future__ import annotations
 
@@ -8,19 +8,14 @@ import trl
 
 from .attention import ATTN_IMPLEMENTATIONS
 
-
-@dataclass
-class DPOConfig(trl.DPOConfig):
-    r"""
-    Configuration class for [`trl_prefix_sharing.DPOTrainer`]: every parameter of [`trl.DPOConfig`], plus the ones
-    below. With `prefix_sharing=False` training is exactly TRL's.
-
-    > Parameters that control prefix sharing
+_FIELDS_DOC = """
+    > Parameters that control prefix sharing and packing
 
     prefix_sharing (`bool`, *optional*, defaults to `False`):
-        Put each preference pair in one sequence, `[prompt | chosen | rejected]`, so the prompt is computed once; a
-        mask keeps the two completions from seeing each other and position ids make every log-prob the one stock TRL
-        computes. Supported for Llama, Mistral, Qwen2 and Qwen3 models, text and conversational datasets.
+        Put the completions of each example after one copy of their prompt, `[prompt | chosen | rejected]`, so the
+        prompt is computed once; a mask keeps the completions from seeing each other and position ids make every
+        number the one stock TRL computes. Supported for Llama, Mistral, Qwen2 and Qwen3 models, text and
+        conversational datasets.
     prefix_sharing_attn_implementation (`str`, *optional*, defaults to `"auto"`):
         Attention that applies the prefix-sharing mask: `"flex_attention"` (block-sparse FlexAttention, CUDA),
         `"sdpa"` (the same mask, dense, through `scaled_dot_product_attention`; any device), or `"auto"`
@@ -29,19 +24,24 @@ class DPOConfig(trl.DPOConfig):
     packing (`bool`, *optional*, defaults to `False`):
         Pack several examples into one row with a multipack first-fit-decreasing sampler, removing padding. Each
         example is one document of the row (no token sees another example). Works with and without
-        `prefix_sharing` (without it, the chosen and rejected sequences of a pair are two documents). A packed step
-        holds a variable number of pairs; the loss is normalised so that every pair weighs the same across packing,
+        `prefix_sharing` (without it, the sequences of an example are separate documents). A packed step holds a
+        variable number of pairs; the loss is normalised so that every pair weighs the same across packing,
         gradient accumulation and ranks.
     packing_length (`int` or `None`, *optional*, defaults to `None`):
         Tokens per packed row. `None`: `per_device_train_batch_size` times the longest packing unit of the dataset,
         rounded up to a multiple of 128. Rows are padded to exactly this length so FlexAttention shapes stay fixed.
-    """
+"""
+
+
+@dataclass
+class PrefixSharingArguments:
+    """The fields this package adds to TRL's configs (documented in `DPOConfig` and `RewardConfig`)."""
 
     prefix_sharing: bool = field(
         default=False,
         metadata={
             "help": "Compute each prompt once: put [prompt | chosen | rejected] in one sequence with a mask that keeps "
-            "the completions apart. Log-probs, losses and metrics equal stock TRL's."
+            "the completions apart. Every logged number equals stock TRL's."
         },
     )
     prefix_sharing_attn_implementation: str = field(
@@ -52,7 +52,6 @@ class DPOConfig(trl.DPOConfig):
             "choices": list(ATTN_IMPLEMENTATIONS),
         },
     )
-
     packing: bool = field(
         default=False,
         metadata={
@@ -68,17 +67,40 @@ class DPOConfig(trl.DPOConfig):
         },
     )
 
-    def __post_init__(self):
-        super().__post_init__()
+    def _check_prefix_sharing_arguments(self) -> None:
         if self.prefix_sharing_attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(
                 f"`prefix_sharing_attn_implementation` must be one of {ATTN_IMPLEMENTATIONS}, got "
                 f"{self.prefix_sharing_attn_implementation!r}."
             )
-        if (self.prefix_sharing or self.packing) and self.padding_free:
+        if (self.prefix_sharing or self.packing) and getattr(self, "padding_free", False):
             raise ValueError(
                 "`prefix_sharing`/`packing` cannot be combined with `padding_free=True`: both rewrite the batch layout, "
                 "and TRL 1.16 has padding-free DPO disabled anyway. Set `padding_free=False`."
             )
         if self.packing_length is not None and self.packing_length <= 0:
             raise ValueError(f"`packing_length` must be positive, got {self.packing_length}.")
+
+
+@dataclass
+class DPOConfig(trl.DPOConfig, PrefixSharingArguments):
+    __doc__ = (
+        "Configuration class for [`trl_prefix_sharing.DPOTrainer`]: every parameter of [`trl.DPOConfig`], plus the "
+        "ones below. With `prefix_sharing=False` and `packing=False` training is exactly TRL's.\n" + _FIELDS_DOC
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._check_prefix_sharing_arguments()
+
+
+@dataclass
+class RewardConfig(trl.RewardConfig, PrefixSharingArguments):
+    __doc__ = (
+        "Configuration class for [`trl_prefix_sharing.RewardTrainer`]: every parameter of [`trl.RewardConfig`], plus "
+        "the ones below. With `prefix_sharing=False` and `packing=False` training is exactly TRL's.\n" + _FIELDS_DOC
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._check_prefix_sharing_arguments()
