@@ -1,4 +1,4 @@
-"""Prefix sharing for TRL's preference trainers: compute each prompt once, get stock TRL's numbers."""
+"""Prefix sharing for TRL's DPO and reward trainers: compute each prompt once, get stock TRL's numbers."""
 
 from .attention import SUPPORTED_MODEL_TYPES
 from .collator import PrefixSharingCollator
@@ -6,6 +6,7 @@ from .config import DPOConfig, RewardConfig
 from .dpo_trainer import DPOTrainer
 from .layout import build_shared_batch
 from .mask import dense_mask, dpo_mask
+from .reward_trainer import RewardTrainer
 from .sampler import MultipackSampler
 
 __version__ = "0.1.0"
@@ -14,6 +15,7 @@ __all__ = [
     "DPOConfig",
     "DPOTrainer",
     "RewardConfig",
+    "RewardTrainer",
     "MultipackSampler",
     "PrefixSharingCollator",
     "SUPPORTED_MODEL_TYPES",

@@ -1,5 +1,7 @@
 """The prefix-shared forward: run the model on shared rows, hand back outputs in the stock layout.
 
+Two kinds of model: causal LMs under TRL's fused LM head (DPO), and sequence-classification models (reward models).
+
 TRL's trainers call ``model(input_ids, attention_mask, labels=..., fused_lm_head=True)`` on the stock batch and read
 per-token fields of shape ``[rows, length - 1]``. :func:`install_prefix_sharing_forward` wraps that (already fused)
 forward on one model instance: when the call carries a ``prefix_sharing`` layout (added by
@@ -88,21 +90,59 @@ def _shared_forward(original_forward, kwargs: dict, layout: dict):
     return FusedCausalLMOutput(loss=loss, label_mask=valid, aux_loss=outputs.aux_loss, **fields)
 
 
+def _shared_classification_forward(model, kwargs: dict, layout: dict):
+    """Sequence classification (reward models): the backbone on the shared rows, the score head read where stock
+    transformers reads it, i.e. at the rightmost token of each stock row that is not `pad_token_id`."""
+    from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+
+    for name in ("inputs_embeds", "position_ids", "labels", "past_key_values"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"Prefix sharing builds its own inputs; `{name}` cannot be passed alongside the layout.")
+    input_ids = kwargs.pop("input_ids")
+    stock_attention_mask = kwargs.pop("attention_mask", None)
+    check_layout_matches(layout, input_ids, stock_attention_mask)
+    kwargs.pop("use_cache", None)
+    kwargs.pop("margin", None)  # TRL's reward trainer hands the whole batch to the model
+    mask = layout.get("attention_mask")
+    if mask is None:
+        raise RuntimeError("The prefix-sharing attention mask was not built for this batch; call through the trainer.")
+    hidden = getattr(model, model.base_model_prefix)(
+        input_ids=layout["input_ids"], attention_mask=mask, position_ids=layout["position_ids"], use_cache=False,
+        **kwargs,
+    ).last_hidden_state
+    pad_token_id = model.config.get_text_config().pad_token_id
+    if pad_token_id is None:
+        raise ValueError("Sequence classification needs `pad_token_id` in the model config to find the last token.")
+    positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
+    last = (positions * (input_ids != pad_token_id)).argmax(-1)  # transformers' pooling rule, on the stock rows
+    flat = layout["stock_index"][torch.arange(input_ids.shape[0], device=input_ids.device), last]
+    pooled = hidden.reshape(-1, hidden.shape[-1])[flat]
+    return SequenceClassifierOutputWithPast(logits=model.score(pooled))
+
+
+def _is_sequence_classifier(model) -> bool:
+    return type(model).__name__.endswith("ForSequenceClassification") and hasattr(model, "score")
+
+
 def install_prefix_sharing_forward(model) -> None:
-    """Wrap ``model.forward`` (already patched by TRL's ``add_fused_lm_head``) to accept a ``prefix_sharing`` layout.
+    """Wrap ``model.forward`` to accept a ``prefix_sharing`` layout: for a causal LM, the forward TRL's
+    ``add_fused_lm_head`` patched (used with ``fused_lm_head=True``); for a sequence classifier, its own forward.
 
     Scoped to this model instance and idempotent; undone by :func:`remove_prefix_sharing_forward`.
     """
     if _ORIGINAL in model.__dict__:
         return
     original_forward = model.forward
+    classifier = _is_sequence_classifier(model)
 
     @functools.wraps(type(model).forward)
     def forward(self, *args, prefix_sharing=None, **kwargs):
+        if prefix_sharing is not None and args:
+            raise TypeError("The prefix-shared forward takes keyword arguments only.")
+        if prefix_sharing is not None and classifier:
+            return _shared_classification_forward(self, kwargs, prefix_sharing)
         if prefix_sharing is None or not kwargs.get("fused_lm_head", False):
             return original_forward(*args, **kwargs)
-        if args:
-            raise TypeError("The prefix-shared forward takes keyword arguments only.")
         return _shared_forward(original_forward, kwargs, prefix_sharing)
 
     model.__dict__[_ORIGINAL] = original_forward

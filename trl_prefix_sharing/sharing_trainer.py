@@ -232,13 +232,11 @@ class PrefixSharingTrainerMixin:
             self._total_shared_tokens += int(self.accelerator.gather_for_metrics(shared).sum().item())
             self._metrics["train"]["num_shared_tokens"] = [self._total_shared_tokens]
         if not self.packing:
-            return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                        num_items_in_batch=num_items_in_batch)
+            return self._base_compute_loss(model, inputs, return_outputs, num_items_in_batch)
         before = {key: len(values) for key, values in self._metrics[mode].items()}
         pairs = self._pairs_in(inputs)
         with variable_size_gathers(self.accelerator):  # ranks hold different numbers of pairs
-            result = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                          num_items_in_batch=num_items_in_batch)
+            result = self._base_compute_loss(model, inputs, return_outputs, num_items_in_batch)
         self._record_metric_weights(mode, inputs, pairs, before)
         if mode == "train" and self._pairs_in_window:
             # TRL averages over the pairs of this micro-batch; make it a sum over the pairs of the whole step (every
@@ -247,6 +245,10 @@ class PrefixSharingTrainerMixin:
             scale /= self._pairs_in_window
             result = (result[0] * scale, result[1]) if return_outputs else result * scale
         return result
+
+    def _base_compute_loss(self, model, inputs, return_outputs, num_items_in_batch):
+        """The loss the subclass's TRL trainer computes (overridable, e.g. for ranked reward batches)."""
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def _record_metric_weights(self, mode, inputs, pairs, before) -> None:
         mask = inputs.get("completion_mask")
