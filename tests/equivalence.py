@@ -137,3 +137,75 @@ def conversational_dataset() -> Dataset:
             "rejected": [{"role": "assistant", "content": "no" if i % 2 else f"w50 w51 w{90 + i}"}],
         })
     return Dataset.from_list(rows)
+
+
+# ------------------------------------------------------------------------------------------------- reward models
+def make_reward_model(family, tokenizer, seed=0, **config_kwargs):
+    from transformers import AutoModelForSequenceClassification
+
+    from trl_prefix_sharing.tiny import make_config
+
+    config = copy.deepcopy(make_config(family, len(tokenizer), num_labels=1, **config_kwargs))
+    torch.manual_seed(seed)
+    return AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+
+
+def reward_args(tmp_path, ours: dict | None, **overrides):
+    from trl_prefix_sharing import RewardConfig
+
+    kwargs = dict(output_dir=str(tmp_path / f"run{next(_counter)}"), per_device_train_batch_size=4,
+                  per_device_eval_batch_size=4, bf16=False, use_cpu=True, report_to="none", logging_steps=1,
+                  save_strategy="no", max_length=None, seed=0)
+    kwargs.update(overrides)
+    return trl.RewardConfig(**kwargs) if ours is None else RewardConfig(**ours, **kwargs)
+
+
+def make_reward_trainers(tmp_path, family, dataset, tokenizer, eval_dataset=None, peft_config=None, ours=None,
+                         stock_dataset=None, config_kwargs=None, **overrides):
+    """(stock TRL RewardTrainer, ours) from identical weights. `stock_dataset`: what stock trains on (e.g. the
+    expanded pairs of a ranked dataset)."""
+    from trl_prefix_sharing import RewardTrainer
+
+    model = make_reward_model(family, tokenizer, **(config_kwargs or {}))
+    trainers = []
+    for options, data in ((None, stock_dataset if stock_dataset is not None else dataset),
+                          (ours or {"prefix_sharing": True}, dataset)):
+        cls = trl.RewardTrainer if options is None else RewardTrainer
+        trainers.append(cls(model=copy.deepcopy(model), args=reward_args(tmp_path, options, **overrides),
+                            train_dataset=data, eval_dataset=eval_dataset, processing_class=tokenizer,
+                            peft_config=copy.deepcopy(peft_config)))
+    return trainers
+
+
+def reward_step(trainer, examples, pairs_in_window=None):
+    trainer.model.train()
+    trainer.model.zero_grad(set_to_none=True)
+    trainer._metrics["train"].clear()
+    batch = trainer._prepare_inputs(trainer.data_collator(examples))
+    if pairs_in_window is not None:
+        trainer._pairs_in_window = pairs_in_window
+        trainer.current_gradient_accumulation_steps = 1
+    loss, outputs = trainer.compute_loss(trainer.model, batch, return_outputs=True)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    trainer.model.zero_grad(set_to_none=True)
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    return {"loss": loss.detach(), "rewards": outputs.logits.detach(), "grads": grads, "metrics": metrics,
+            "batch": batch}
+
+
+def assert_same_reward_step(stock, shared, compare_rewards=True, atol=1e-5, rtol=1e-5):
+    if compare_rewards:
+        assert stock["rewards"].numel() > 0
+        torch.testing.assert_close(shared["rewards"], stock["rewards"], atol=atol, rtol=rtol)
+    torch.testing.assert_close(shared["loss"], stock["loss"], atol=atol, rtol=rtol)
+    assert stock["metrics"]
+    for key, value in stock["metrics"].items():
+        if key == "num_tokens" and not compare_rewards:
+            continue  # ranked rows are counted once, the expanded pairs repeat them
+        torch.testing.assert_close(torch.tensor(float(shared["metrics"][key])), torch.tensor(float(value)),
+                                   atol=atol, rtol=rtol, msg=lambda m, key=key: f"metric {key}: {m}")
+    assert stock["grads"] and set(stock["grads"]) == set(shared["grads"])
+    for name, grad in stock["grads"].items():
+        torch.testing.assert_close(shared["grads"][name], grad, atol=atol, rtol=rtol,
+                                   msg=lambda m, name=name: f"grad {name}: {m}")

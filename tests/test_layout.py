@@ -44,7 +44,8 @@ def test_completions_sharing_first_tokens_share_them():
 def test_identical_and_nested_rows():
     ids, attn, cm = _stock([[1, 2, 3], [1, 2, 3], [4, 5], [4, 5, 6]], [1, 1, 1, 1])
     layout = build_shared_batch(ids, attn, [[0, 1], [2, 3]], completion_mask=cm)
-    assert layout["input_ids"].tolist()[0][:4] == [1, 2, 3, 3]
+    assert layout["input_ids"].tolist()[0][:3] == [1, 2, 3]  # identical rows: stored once, read twice
+    assert torch.equal(layout["stock_index"][0], layout["stock_index"][1])
     assert layout["input_ids"].tolist()[1][:4] == [4, 5, 5, 6]
     _roundtrip(layout, ids, attn)
 

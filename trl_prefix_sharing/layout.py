@@ -8,7 +8,8 @@ rows of one example (two for DPO and pairwise reward models, K for ranked data) 
                                           branch     0  0  0 |  1  1  1 |  2  2  2  2
 
 The shared prefix is the longest common prefix of the rows, compared on (token, completion-mask) pairs, so it is
-exact whatever the truncation did. Its last token starts every branch (same token, same position, same visible keys,
+exact whatever the truncation did. A row identical to an earlier row of its group is not repeated: it reads the same
+positions, so identical completions get bitwise identical results, as in the stock rows. Its last token starts every branch (same token, same position, same visible keys,
 so the same hidden state): that copy scores the first token of each completion, as the last prompt token does in the
 stock rows. Rows with nothing in common still work (an empty prefix: K separate sequences in one document).
 
@@ -92,12 +93,18 @@ def build_shared_batch(
         positions = list(range(s))
         branches = [0] * s
         offsets = {}
-        for k, r in enumerate(group, start=1):
+        branch = 0
+        for key, r in zip(keyed, group):
+            twin = next((group[j] for j in range(len(offsets)) if keyed[j] == key), None)
+            if twin is not None:  # identical to an earlier row: the same positions (bitwise equal, as in stock)
+                offsets[r] = offsets[twin]
+                continue
             n = lengths[r]
             start = len(tokens)
+            branch += 1
             tokens.extend(ids_list[r][s:n])
             positions.extend(range(s, n))
-            branches.extend([k] * (n - s))
+            branches.extend([branch] * (n - s))
             offsets[r] = list(range(min(s, n))) + list(range(start, start + max(n - s, 0)))
         docs.append((tokens, positions, branches, offsets))
 

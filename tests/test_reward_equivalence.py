@@ -1,0 +1,189 @@
+"""Prefix-shared reward training computes stock TRL's rewards, losses, metrics and gradients; ranked K-way data."""
+
+import pytest
+import torch
+from datasets import Dataset
+from equivalence import (
+    assert_same_reward_step,
+    awkward_text_dataset,
+    conversational_dataset,
+    make_reward_model,
+    make_reward_trainers,
+    reward_step,
+)
+
+import trl_prefix_sharing.attention as attention_module
+from trl_prefix_sharing.mask import causal, same_document
+from trl_prefix_sharing.ranked import expand_ranked_to_pairs
+from trl_prefix_sharing.tiny import FAMILIES, synthetic_pairs
+
+
+def _with_margin(dataset):
+    return dataset.add_column("margin", [0.1 * i - 0.2 for i in range(len(dataset))])
+
+
+DATA = {
+    "awkward_text": lambda: (awkward_text_dataset(), {}),
+    "margin_and_centering": lambda: (_with_margin(awkward_text_dataset()), {"center_rewards_coefficient": 0.05}),
+    "conversational_multiturn": lambda: (conversational_dataset(), {}),
+}
+
+
+def _compare(stock, shared, n=None):
+    examples = [row for row in stock.train_dataset][: n or len(stock.train_dataset)]
+    stock_result = reward_step(stock, examples)
+    shared_result = reward_step(shared, examples)
+    assert "prefix_sharing" in shared_result["batch"]
+    assert_same_reward_step(stock_result, shared_result)
+    return stock_result, shared_result
+
+
+@pytest.mark.parametrize("data", list(DATA))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reward_step_matches_stock(tmp_path, tokenizer, family, data):
+    dataset, overrides = DATA[data]()
+    stock, shared = make_reward_trainers(tmp_path, family, dataset, tokenizer, **overrides)
+    _, result = _compare(stock, shared)
+    layout = result["batch"]["prefix_sharing"]
+    assert (layout["document_ids"] >= 0).sum() < result["batch"]["attention_mask"].sum()
+
+
+def test_reward_wrong_mask_fails(tmp_path, tokenizer, monkeypatch):
+    stock, shared = make_reward_trainers(tmp_path, "qwen2", awkward_text_dataset(), tokenizer)
+    _compare(stock, shared)
+
+    def leaky_mask(document_ids, branch_ids, position_ids=None, window=None):
+        from torch.nn.attention.flex_attention import and_masks
+
+        return and_masks(causal, same_document(document_ids))
+
+    monkeypatch.setattr(attention_module, "dpo_mask", leaky_mask)
+    with pytest.raises(AssertionError):
+        _compare(stock, shared)
+
+
+def test_reward_peft_lora_matches_stock(tmp_path, tokenizer):
+    from peft import LoraConfig
+
+    lora = LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    stock, shared = make_reward_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer, peft_config=lora)
+    for trainer in (stock, shared):
+        torch.manual_seed(3)
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:
+                param.data.normal_(0, 0.05)
+    _compare(stock, shared)
+
+
+def test_reward_training_and_evaluation_match_stock(tmp_path, tokenizer):
+    train = synthetic_pairs(12, (1, 40), (1, 8), seed=30)
+    evaluation = synthetic_pairs(8, (1, 40), (1, 8), seed=31)
+    shapes = {}
+
+    def compute_metrics(prediction):
+        shapes.setdefault("calls", []).append(tuple(prediction.predictions.shape))
+        return {"mean_prediction": float(prediction.predictions.mean())}
+
+    stock, shared = make_reward_trainers(tmp_path, "mistral", train, tokenizer, eval_dataset=evaluation, max_steps=3,
+                                         learning_rate=1e-3)
+    for trainer in (stock, shared):
+        trainer.compute_metrics = compute_metrics
+    stock.train()
+    shared.train()
+    stock_logs = [log for log in stock.state.log_history if "loss" in log]
+    shared_logs = [log for log in shared.state.log_history if "loss" in log]
+    assert len(stock_logs) == len(shared_logs) == 3
+    for expected, actual in zip(stock_logs, shared_logs):
+        for key, value in expected.items():
+            assert actual[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    stock_eval, shared_eval = stock.evaluate(), shared.evaluate()
+    assert shapes["calls"][0] == shapes["calls"][1]  # compute_metrics receives the same shapes
+    for key, value in stock_eval.items():
+        if "runtime" not in key and "per_second" not in key:
+            assert shared_eval[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+
+
+def test_reward_computes_fewer_positions_on_long_prompts(tmp_path, tokenizer):
+    _, shared = make_reward_trainers(tmp_path, "llama", synthetic_pairs(8, (150, 250), (5, 20), seed=32), tokenizer)
+    batch = shared.data_collator([shared.train_dataset[i] for i in range(8)])
+    assert int((batch["prefix_sharing"]["document_ids"] >= 0).sum()) < 0.6 * int(batch["attention_mask"].sum())
+
+
+def test_reward_packing_matches_stock(tmp_path, tokenizer):
+    dataset = _with_margin(awkward_text_dataset())
+    stock, packed = make_reward_trainers(tmp_path, "qwen3", dataset, tokenizer,
+                                         ours={"prefix_sharing": True, "packing": True, "packing_length": 512})
+    examples = [row for row in stock.train_dataset]
+    stock_result = reward_step(stock, examples)
+    packed_result = reward_step(packed, examples, pairs_in_window=len(examples))
+    assert packed_result["batch"]["prefix_sharing"]["input_ids"].shape == (1, 512)
+    assert_same_reward_step(stock_result, packed_result)
+
+
+# ------------------------------------------------------------------------------------------------- ranked data
+def ranked_dataset(conversational=False):
+    rows = [
+        {"prompt": "w1 w2 w3 w4 w5 w6", "completions": [" w7 w8", " w9", " w10 w11 w12", " w13"]},
+        {"prompt": "what is the sum ?", "completions": [" 7", " 8", " 9"]},
+        {"prompt": " ".join(f"w{i}" for i in range(60, 100)), "completions": [" yes", " no", " yes yes", " no no",
+                                                                              " w1"]},
+        {"prompt": "w20", "completions": [" w21", " w21 w22"]},
+    ]
+    if conversational:
+        rows = [{"prompt": [{"role": "user", "content": r["prompt"]}],
+                 "completions": [[{"role": "assistant", "content": c.strip()}] for c in r["completions"]]}
+                for r in rows]
+    return Dataset.from_list(rows)
+
+
+@pytest.mark.parametrize("prefix_sharing", [True, False])
+@pytest.mark.parametrize("conversational", [False, True])
+def test_ranked_loss_equals_stock_on_expanded_pairs(tmp_path, tokenizer, prefix_sharing, conversational):
+    ranked = ranked_dataset(conversational)
+    pairs = expand_ranked_to_pairs(ranked)
+    assert len(pairs) == 6 + 3 + 10 + 1
+    stock, ours = make_reward_trainers(tmp_path, "llama", ranked, tokenizer, stock_dataset=pairs,
+                                       ours={"prefix_sharing": prefix_sharing}, center_rewards_coefficient=0.1)
+    stock_result = reward_step(stock, [row for row in stock.train_dataset])
+    ours_result = reward_step(ours, [row for row in ours.train_dataset])
+    assert ours_result["rewards"].shape == (4 + 3 + 5 + 2, 1)
+    assert_same_reward_step(stock_result, ours_result, compare_rewards=False)
+
+
+def test_ranked_rewards_equal_k_separate_forwards(tmp_path, tokenizer):
+    _, ours = make_reward_trainers(tmp_path, "qwen2", ranked_dataset(), tokenizer,
+                                   stock_dataset=expand_ranked_to_pairs(ranked_dataset()))
+    examples = [row for row in ours.train_dataset]
+    result = reward_step(ours, examples)
+    assert result["batch"]["prefix_sharing"]["input_ids"].shape[0] == len(examples)  # one row per prompt
+    model = ours.model
+    model.eval()
+    separate = []
+    with torch.no_grad():
+        for example in examples:
+            for ids in example["completion_ids"]:
+                separate.append(model(input_ids=torch.tensor([ids])).logits[0])
+    torch.testing.assert_close(result["rewards"], torch.stack(separate), atol=1e-5, rtol=1e-5)
+
+
+def test_ranked_packing_and_training(tmp_path, tokenizer):
+    ranked = ranked_dataset()
+    stock, ours = make_reward_trainers(tmp_path, "mistral", ranked, tokenizer, stock_dataset=expand_ranked_to_pairs(ranked),
+                                       ours={"prefix_sharing": True, "packing": True, "packing_length": 256})
+    stock_result = reward_step(stock, [row for row in stock.train_dataset])
+    ours_result = reward_step(ours, [row for row in ours.train_dataset], pairs_in_window=20)
+    assert_same_reward_step(stock_result, ours_result, compare_rewards=False)
+    ours.args.max_steps = 2
+    ours.train()
+    assert all(torch.isfinite(torch.tensor(log["loss"])) for log in ours.state.log_history if "loss" in log)
+
+
+def test_ranked_needs_two_completions(tmp_path, tokenizer):
+    from equivalence import reward_args
+
+    from trl_prefix_sharing import RewardTrainer
+
+    with pytest.raises(ValueError, match="at least 2 completions"):
+        RewardTrainer(model=make_reward_model("llama", tokenizer), args=reward_args(tmp_path, {"prefix_sharing": True}),
+                      train_dataset=Dataset.from_list([{"prompt": "w1", "completions": [" w2"]}]),
+                      processing_class=tokenizer)
