@@ -1,3 +1,3 @@
-from .demo import main
+from .cli import main
 
-main()
+raise SystemExit(main())

@@ -31,7 +31,9 @@ WORDS = [f"w{i}" for i in range(200)] + [str(i) for i in range(100)] + [
 
 def make_tokenizer(words=None):
     """A `PreTrainedTokenizerFast` over whitespace-separated words (plus digits and punctuation), with a chat
-    template, `<eos>` as EOS and `<pad>` as padding. Unknown words map to `<unk>`."""
+    template, `<eos>` as EOS and `<pad>` as padding. Unknown words map to `<unk>`. Saved next to a Llama, Mistral or
+    Qwen3 config it reloads as itself with `AutoTokenizer`; next to a Qwen2 config transformers substitutes its
+    `Qwen2Tokenizer`, so pass the tokenizer explicitly there."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

@@ -1,0 +1,108 @@
+"""The console scripts, end to end as subprocesses, on a tiny local model and dataset (offline)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+COMMON = ["--bf16", "false", "--use_cpu", "true", "--report_to", "none", "--save_strategy", "no",
+          "--logging_steps", "1", "--max_steps", "2", "--per_device_train_batch_size", "4"]
+
+
+def _run(args, cwd, timeout=300):
+    env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _console_script():
+    path = Path(sys.executable).parent / "trl-prefix-sharing"
+    return [str(path)] if path.exists() else [sys.executable, "-m", "trl_prefix_sharing"]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, tokenizer):
+    from trl_prefix_sharing.tiny import make_model, synthetic_pairs
+
+    root = tmp_path_factory.mktemp("cli")
+    make_model("llama", len(tokenizer)).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    with open(root / "prefs.jsonl", "w") as f:
+        for row in synthetic_pairs(16, (10, 50), (1, 8), seed=40):
+            f.write(json.dumps(row) + "\n")
+    data_dir = root / "prefs_dir"
+    data_dir.mkdir()
+    (data_dir / "train.jsonl").write_text((root / "prefs.jsonl").read_text())
+    return root
+
+
+def test_dpo_with_sharing_and_packing(workspace):
+    out = workspace / "dpo_out"
+    proc = _run(_console_script() + ["dpo", "--model_name_or_path", str(workspace / "model"), "--dataset_name",
+                                     str(workspace / "prefs.jsonl"), "--output_dir", str(out), "--prefix_sharing",
+                                     "true", "--packing", "true", *COMMON], cwd=workspace)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Prefix sharing on 16 examples" in proc.stdout + proc.stderr
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = json.loads((out / "config.json").read_text())
+    assert not any("attn" in key for key in config) and "prefix" not in json.dumps(config)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = tokenizer("w1 w2 w3", return_tensors="pt").input_ids
+    assert torch.isfinite(model(ids).logits).all()
+
+
+def test_reward_with_yaml_recipe_and_lora(workspace):
+    out = workspace / "reward_out"
+    recipe = workspace / "reward.yaml"
+    recipe.write_text(
+        f"model_name_or_path: {workspace / 'model'}\n"
+        f"dataset_name: {workspace / 'prefs_dir'}\n"
+        f"output_dir: {out}\n"
+        "prefix_sharing: true\n"
+        "use_peft: true\n"
+        "lora_r: 4\n"
+        "lora_alpha: 8\n"
+        "lora_task_type: SEQ_CLS\n"
+        "lora_target_modules: [q_proj, v_proj]\n"
+    )
+    proc = _run([sys.executable, "-m", "trl_prefix_sharing", "reward", "--config", str(recipe), *COMMON], cwd=workspace)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    from peft import AutoPeftModelForSequenceClassification
+
+    assert (out / "adapter_config.json").exists()
+    model = AutoPeftModelForSequenceClassification.from_pretrained(out, num_labels=1)
+    assert model(input_ids=torch.tensor([[5, 6, 7]])).logits.shape == (1, 1)
+
+
+def test_stats_reports_whether_it_pays(workspace):
+    proc = _run(_console_script() + ["stats", "--dataset_name", str(workspace / "prefs.jsonl"),
+                                     "--model_name_or_path", str(workspace / "model")], cwd=workspace)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for text in ("positions per example", "ideal speedup", "packing", "verdict: prefix sharing pays"):
+        assert text in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "dataset,model,message",
+    [
+        ("./missing.jsonl", "model", "not found: no such file or directory"),
+        ("bad.jsonl", "model", "needs 'chosen' and 'rejected'"),
+        ("prefs.jsonl", "gpt2", "supports the model types llama, mistral, qwen2, qwen3"),
+    ],
+)
+def test_clear_errors_before_heavy_work(workspace, dataset, model, message):
+    (workspace / "bad.jsonl").write_text(json.dumps({"prompt": "w1", "answer": "w2"}) + "\n")
+    if not (workspace / "gpt2").exists():
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        GPT2LMHeadModel(GPT2Config(vocab_size=400, n_embd=16, n_layer=1, n_head=2)).save_pretrained(workspace / "gpt2")
+    proc = _run(_console_script() + ["dpo", "--model_name_or_path", str(workspace / model), "--dataset_name", dataset,
+                                     "--output_dir", str(workspace / "err_out"), "--prefix_sharing", "true", *COMMON],
+                cwd=workspace)
+    assert proc.returncode != 0
+    assert message in proc.stderr

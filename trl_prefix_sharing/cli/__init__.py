@@ -1,0 +1,69 @@
+"""The `trl-prefix-sharing` command line: TRL's `trl dpo` / `trl reward` workflow with this package's trainers.
+
+    trl-prefix-sharing dpo --model_name_or_path ... --dataset_name ... --prefix_sharing true --packing true
+    trl-prefix-sharing reward --config recipe.yaml
+    trl-prefix-sharing stats --dataset_name ... --model_name_or_path ...
+    trl-prefix-sharing demo
+    python -m trl_prefix_sharing dpo ...
+
+`dpo` and `reward` take TRL's arguments (the same `TrlParser` over `ScriptArguments`, the config, `ModelConfig` and
+`DatasetMixtureConfig`, YAML `--config` files, PEFT/quantization flags) plus this package's fields, and are launched
+through `accelerate launch` exactly as TRL launches its scripts (`--accelerate_config zero3`, `--num_processes`, ...).
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["main"]
+
+USAGE = """usage: trl-prefix-sharing {dpo,reward,stats,demo} [args]
+
+  dpo      DPO training (TRL's `trl dpo` arguments + prefix_sharing, packing, ...), launched with accelerate
+  reward   reward-model training (TRL's `trl reward` arguments + the same), launched with accelerate
+  stats    does prefix sharing pay on this dataset? (loads the tokenizer only)
+  demo     stock TRL vs prefix sharing on the shipped demo dataset (CPU, offline)
+
+Run `trl-prefix-sharing COMMAND --help` for a command's arguments."""
+
+
+def launch(command: str, argv: list[str]) -> int:
+    """Parse like TRL's `TrainingCommand`: split accelerate's arguments from the script's, then `accelerate launch`."""
+    from importlib import resources
+
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from trl.cli.accelerate_config import resolve_accelerate_config_argument
+    from trl.cli.commands.training import _subtract_subsequence
+
+    from .train import make_parser
+
+    parser = make_parser(command, prog=f"trl-prefix-sharing {command}")
+    *_, config_remaining, cli_remaining = parser.parse_args_and_config(
+        argv, return_remaining_strings=True, separate_remaining_strings=True
+    )
+    launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
+    script_args = _subtract_subsequence(argv, cli_remaining)
+    script = resources.files("trl_prefix_sharing.cli").joinpath(f"{command}.py")
+    launch_command(launch_command_parser().parse_args(launch_args + [str(script)] + script_args))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command in ("dpo", "reward"):
+        return launch(command, rest)
+    if command == "stats":
+        from .stats import main as stats_main
+
+        return stats_main(rest)
+    if command == "demo":
+        from ..demo import main as demo_main
+
+        demo_main(rest)
+        return 0
+    print(f"trl-prefix-sharing: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2

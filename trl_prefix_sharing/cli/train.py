@@ -1,0 +1,110 @@
+"""The training scripts behind `trl-prefix-sharing dpo` and `reward`: TRL's scripts with this package's trainers and
+configs, plus offline-friendly dataset loading (a local JSON/JSONL/Parquet file or directory) and early errors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def make_parser(command: str, prog: str | None = None):
+    """TRL's parser structure (`trl.scripts.dpo.make_parser`) with this package's config for `command`."""
+    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
+
+    from ..config import DPOConfig, RewardConfig
+
+    config = {"dpo": DPOConfig, "reward": RewardConfig}[command]
+    return TrlParser((ScriptArguments, config, ModelConfig, DatasetMixtureConfig), prog=prog)
+
+
+def load_script_dataset(script_args, dataset_args):
+    """Like TRL's scripts, plus local files and directories, with a clear error for a path that does not exist."""
+    from datasets import load_dataset
+    from trl import get_dataset
+
+    if dataset_args.datasets:
+        return get_dataset(dataset_args)
+    name = script_args.dataset_name
+    if not name:
+        raise ValueError("Either `datasets` or `dataset_name` must be provided.")
+    path = Path(os.path.expanduser(name))
+    if path.is_file():
+        builder = _LOCAL_BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise ValueError(f"Dataset file {name}: unsupported extension (use {', '.join(_LOCAL_BUILDERS)}).")
+        return load_dataset(builder, data_files={script_args.dataset_train_split: str(path)})
+    if path.is_dir():
+        return load_dataset(str(path), name=script_args.dataset_config, streaming=script_args.dataset_streaming)
+    if name.startswith((".", "/", "~")) or path.suffix.lower() in _LOCAL_BUILDERS:
+        raise FileNotFoundError(f"Dataset {name!r} not found: no such file or directory.")
+    return load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
+
+
+def check_model_path(model_name_or_path: str | None) -> None:
+    if not model_name_or_path:
+        raise ValueError("`--model_name_or_path` is required.")
+    if model_name_or_path.startswith((".", "/", "~")) and not Path(os.path.expanduser(model_name_or_path)).exists():
+        raise FileNotFoundError(f"Model {model_name_or_path!r} not found: no such directory.")
+
+
+def main(command: str, script_args, training_args, model_args, dataset_args) -> None:
+    import transformers
+    from packaging.version import Version
+    from trl import get_peft_config, get_quantization_config
+
+    from ..dpo_trainer import DPOTrainer
+    from ..reward_trainer import RewardTrainer
+
+    check_model_path(model_args.model_name_or_path)
+    model_init_kwargs = dict(
+        revision=model_args.model_revision,
+        trust_remote_code=training_args.trust_remote_code,
+        attn_implementation=model_args.attn_implementation,
+        dtype=model_args.dtype,
+    )
+    if training_args.model_init_kwargs is not None:
+        model_init_kwargs.update(training_args.model_init_kwargs)
+    training_args.model_init_kwargs = model_init_kwargs
+
+    dataset = load_script_dataset(script_args, dataset_args)
+    if script_args.dataset_train_split not in dataset:
+        raise ValueError(f"Split {script_args.dataset_train_split!r} not in the dataset (splits: {list(dataset)}).")
+    eval_dataset = None
+    if training_args.eval_strategy != "no":
+        if script_args.dataset_test_split not in dataset:
+            raise ValueError(f"Split {script_args.dataset_test_split!r} not in the dataset (splits: {list(dataset)}); "
+                             "set `--dataset_test_split` or `--eval_strategy no`.")
+        eval_dataset = dataset[script_args.dataset_test_split]
+
+    trainer_cls = {"dpo": DPOTrainer, "reward": RewardTrainer}[command]
+    trainer = trainer_cls(
+        model=model_args.model_name_or_path,
+        args=training_args,
+        train_dataset=dataset[script_args.dataset_train_split],
+        eval_dataset=eval_dataset,
+        quantization_config=get_quantization_config(model_args),
+        peft_config=get_peft_config(model_args),
+    )
+    if command == "dpo" and script_args.ignore_bias_buffers:
+        import torch
+
+        trainer.model._ddp_params_and_buffers_to_ignore = [
+            name for name, buffer in trainer.model.named_buffers() if buffer.dtype == torch.bool
+        ]
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.accelerator.print("Training completed.")
+    trainer.save_model(training_args.output_dir)
+    trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    if Version(transformers.__version__) >= Version("5.18.0"):
+        trainer.end()
+
+
+def run_script(command: str) -> None:
+    """Entry point of the launched scripts (`cli/dpo.py`, `cli/reward.py`)."""
+    parser = make_parser(command)
+    script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(fail_with_unknown_args=False)
+    main(command, script_args, training_args, model_args, dataset_args)
