@@ -18,7 +18,6 @@ def _packed_step(trainer, micro_batches):
     trainer.current_gradient_accumulation_steps = len(batches)
     total = 0.0
     for batch in batches:
-        assert batch["prefix_sharing"]["input_ids"].shape[0] == 1  # one packed row per micro-batch
         loss = trainer.compute_loss(trainer.model, batch) / len(batches)  # Trainer's division by accumulation
         loss.backward()
         total += loss.detach()
@@ -27,17 +26,26 @@ def _packed_step(trainer, micro_batches):
     return total, grads
 
 
+@pytest.mark.parametrize("rows", ["one_row", "dense_rows"])
 @pytest.mark.parametrize("prefix_sharing", [True, False])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_packed_logps_and_gradient_equal_stock(tmp_path, tokenizer, family, prefix_sharing):
+def test_packed_logps_and_gradient_equal_stock(tmp_path, tokenizer, family, prefix_sharing, rows):
     dataset = awkward_text_dataset()
     stock, packed = make_trainers(tmp_path, family, dataset, tokenizer, ours={"packing": True, "packing_length": 512,
                                                                      "prefix_sharing": prefix_sharing})
+    row_length = packed.data_collator.packing_row_length
+    assert row_length is not None and row_length % 64 == 0  # dense (SDPA) backend: several rows per batch
+    if rows == "one_row":  # FlexAttention's layout: the whole batch in one row of packing_length
+        packed.data_collator.packing_row_length = None
     examples = [dataset_row for dataset_row in stock.train_dataset]
     stock_result = step(stock, examples)
-    packed_result = step(packed, examples)  # one micro-batch, all pairs in one row
+    packed_result = step(packed, examples)  # one micro-batch
     layout = packed_result["batch"]["prefix_sharing"]
-    assert layout["input_ids"].shape == (1, 512) and int(layout["document_ids"].max()) >= len(examples) - 1
+    if rows == "one_row":
+        assert layout["input_ids"].shape == (1, 512) and int(layout["document_ids"].max()) >= len(examples) - 1
+    else:
+        assert layout["input_ids"].shape[0] > 1 and layout["input_ids"].shape[1] == row_length
+        assert int(layout["document_ids"].max()) >= 1  # several documents share a row
     packed._pairs_in_window = len(examples)
     assert_same_step(stock_result, packed_result)
 

@@ -115,6 +115,11 @@ def test_reward_packing_matches_stock(tmp_path, tokenizer):
                                          ours={"prefix_sharing": True, "packing": True, "packing_length": 512})
     examples = [row for row in stock.train_dataset]
     stock_result = reward_step(stock, examples)
+    packed_result = reward_step(packed, examples, pairs_in_window=len(examples))  # several dense rows
+    assert packed_result["batch"]["prefix_sharing"]["input_ids"].shape[0] > 1
+    assert_same_reward_step(stock_result, packed_result)
+    packed.data_collator.packing_row_length = None  # one row, as with FlexAttention
+    packed._total_train_tokens = 0  # `num_tokens` is a running total
     packed_result = reward_step(packed, examples, pairs_in_window=len(examples))
     assert packed_result["batch"]["prefix_sharing"]["input_ids"].shape == (1, 512)
     assert_same_reward_step(stock_result, packed_result)

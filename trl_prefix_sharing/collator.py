@@ -26,15 +26,19 @@ class PrefixSharingCollator:
             (for packing without sharing, the paper's Algorithm 2).
         packing_length: pack the whole batch into one row of exactly this many tokens (the packing sampler guarantees
             the batch fits). None: one document per row.
+        packing_row_length: with packing, split the batch into several rows of this many tokens each (documents placed
+            by first-fit decreasing) instead of one row of `packing_length`. For dense attention, whose cost grows with
+            the square of the row length whatever the mask; FlexAttention skips the masked blocks and takes one row.
     """
 
     def __init__(self, base_collator, pad_token_id: int, pad_to_multiple_of: int | None = None,
-                 share_prefix: bool = True, packing_length: int | None = None):
+                 share_prefix: bool = True, packing_length: int | None = None, packing_row_length: int | None = None):
         self.base_collator = base_collator
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
         self.share_prefix = share_prefix
         self.packing_length = packing_length
+        self.packing_row_length = packing_row_length
 
     @staticmethod
     def example_groups(batch) -> list[list[int]]:
@@ -60,23 +64,41 @@ class PrefixSharingCollator:
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.base_collator(examples)
         documents = self.documents(batch)
-        packed = self.packing_length is not None
+        rows, row_length = None, None
+        if self.packing_length is not None:
+            rows, row_length = [list(range(len(documents)))], self.packing_length
+            if self.packing_row_length is not None:
+                rows, row_length = self._rows(batch, documents), self.packing_row_length
         batch["prefix_sharing"] = build_shared_batch(
             batch["input_ids"],
             batch["attention_mask"],
             groups=documents,
             completion_mask=batch.get("completion_mask"),
-            rows=[list(range(len(documents)))] if packed else None,
+            rows=rows,
             pad_token_id=self.pad_token_id,
-            pad_to_multiple_of=None if packed else self.pad_to_multiple_of,
-            row_length=self.packing_length,
+            pad_to_multiple_of=None if rows is not None else self.pad_to_multiple_of,
+            row_length=row_length,
         )
         return batch
+
+    def _rows(self, batch, documents) -> list[list[int]]:
+        """Documents into rows of `packing_row_length` by first-fit decreasing (their lengths from a dry layout)."""
+        from .sampler import first_fit_decreasing
+
+        lengths = self.unpacked().document_lengths(batch, documents)
+        order = sorted(range(len(documents)), key=lambda d: -lengths[d])
+        return first_fit_decreasing(order, lengths, self.packing_row_length)
+
+    def document_lengths(self, batch, documents) -> list[int]:
+        layout = build_shared_batch(batch["input_ids"], batch["attention_mask"], groups=documents,
+                                    completion_mask=batch.get("completion_mask"))
+        return (layout["document_ids"] >= 0).sum(dim=1).tolist()
 
     def unpacked(self) -> "PrefixSharingCollator":
         """This collator with one document per row (used to measure each example's packing unit)."""
         clone = copy.copy(self)
         clone.packing_length = None
+        clone.packing_row_length = None
         clone.pad_to_multiple_of = None
         return clone
 

@@ -140,6 +140,11 @@ class PrefixSharingTrainerMixin:
             )
         if self.packing:
             self.data_collator.packing_length = self._resolve_packing_length()
+            if self._attn_implementation != "flex_attention":
+                # dense attention costs the square of the row length whatever the mask: rows as long as the longest
+                # example, several per batch, instead of one row of `packing_length`
+                self.data_collator.packing_row_length = min(self._longest_unit_rounded(64),
+                                                            self.data_collator.packing_length)
         self._prefix_sharing_ready = True
 
     def remove_prefix_sharing(self) -> None:
@@ -161,10 +166,8 @@ class PrefixSharingTrainerMixin:
             self._unit_lengths_cache[key] = unit_lengths(dataset, self.data_collator)
         return self._unit_lengths_cache[key]
 
-    def _resolve_packing_length(self) -> int:
-        """`packing_length`, or `per_device_train_batch_size` x the longest unit (train and eval), rounded to 128."""
-        if self.args.packing_length is not None:
-            return self.args.packing_length
+    def _longest_unit(self) -> int:
+        """The longest packing unit of the train and eval datasets."""
         datasets = [self.train_dataset]
         if isinstance(self.eval_dataset, dict):
             datasets += list(self.eval_dataset.values())
@@ -175,7 +178,16 @@ class PrefixSharingTrainerMixin:
             if not isinstance(dataset, Dataset):
                 raise ValueError("`packing=True` needs map-style datasets (the sampler needs every example's length).")
             longest = max([longest, *self._unit_lengths(dataset)])
-        return -(-self.args.per_device_train_batch_size * longest // 128) * 128
+        return longest
+
+    def _longest_unit_rounded(self, multiple: int) -> int:
+        return -(-self._longest_unit() // multiple) * multiple
+
+    def _resolve_packing_length(self) -> int:
+        """`packing_length`, or `per_device_train_batch_size` x the longest unit (train and eval), rounded to 128."""
+        if self.args.packing_length is not None:
+            return self.args.packing_length
+        return -(-self.args.per_device_train_batch_size * self._longest_unit() // 128) * 128
 
     def _multipack_sampler(self, dataset, shuffle: bool):
         self._setup_prefix_sharing()
