@@ -27,12 +27,14 @@ class PrefixSharingCollator:
         packing_length: pack the whole batch into one row of exactly this many tokens (the packing sampler guarantees
             the batch fits). None: one document per row.
         packing_row_length: with packing, split the batch into several rows of this many tokens each (documents placed
-            by first-fit decreasing) instead of one row of `packing_length`. For dense attention, whose cost grows with
-            the square of the row length whatever the mask; FlexAttention skips the masked blocks and takes one row.
+            by first-fit decreasing) instead of one row of `packing_length`; `"batch"`: rows as long as the batch's
+            longest document. For dense attention, whose cost grows with the square of the row length whatever the
+            mask (so never more than the stock rows' padding); FlexAttention skips masked blocks and takes one row.
     """
 
     def __init__(self, base_collator, pad_token_id: int, pad_to_multiple_of: int | None = None,
-                 share_prefix: bool = True, packing_length: int | None = None, packing_row_length: int | None = None):
+                 share_prefix: bool = True, packing_length: int | None = None,
+                 packing_row_length: int | str | None = None):
         self.base_collator = base_collator
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
@@ -58,8 +60,20 @@ class PrefixSharingCollator:
         return [[i, half + i] for i in range(half)]
 
     def documents(self, batch) -> list[list[int]]:
+        """Stock rows of each document: an example's rows (shared), or one row each (unshared, but identical rows of
+        an example stay one document so that they get bitwise identical results, as in the stock rows)."""
         groups = self.example_groups(batch)
-        return groups if self.share_prefix else [[row] for group in groups for row in group]
+        if self.share_prefix:
+            return groups
+        keys = [(tuple(batch["input_ids"][r].tolist()), tuple(batch["attention_mask"][r].tolist()))
+                for r in range(batch["input_ids"].shape[0])]
+        documents = []
+        for group in groups:
+            classes: dict = {}
+            for row in group:
+                classes.setdefault(keys[row], []).append(row)
+            documents.extend(classes.values())
+        return documents
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.base_collator(examples)
@@ -68,7 +82,7 @@ class PrefixSharingCollator:
         if self.packing_length is not None:
             rows, row_length = [list(range(len(documents)))], self.packing_length
             if self.packing_row_length is not None:
-                rows, row_length = self._rows(batch, documents), self.packing_row_length
+                rows, row_length = self._rows(batch, documents)
         batch["prefix_sharing"] = build_shared_batch(
             batch["input_ids"],
             batch["attention_mask"],
@@ -81,13 +95,14 @@ class PrefixSharingCollator:
         )
         return batch
 
-    def _rows(self, batch, documents) -> list[list[int]]:
+    def _rows(self, batch, documents) -> tuple[list[list[int]], int]:
         """Documents into rows of `packing_row_length` by first-fit decreasing (their lengths from a dry layout)."""
         from .sampler import first_fit_decreasing
 
         lengths = self.unpacked().document_lengths(batch, documents)
+        row_length = max(lengths) if self.packing_row_length == "batch" else self.packing_row_length
         order = sorted(range(len(documents)), key=lambda d: -lengths[d])
-        return first_fit_decreasing(order, lengths, self.packing_row_length)
+        return first_fit_decreasing(order, lengths, row_length), row_length
 
     def document_lengths(self, batch, documents) -> list[int]:
         layout = build_shared_batch(batch["input_ids"], batch["attention_mask"], groups=documents,
@@ -111,9 +126,9 @@ def unit_lengths(dataset, collator: PrefixSharingCollator, chunk_size: int = 256
     for start in range(0, len(dataset), chunk_size):
         batch = unpacked([dataset[i] for i in range(start, min(start + chunk_size, len(dataset)))])
         per_document = (batch["prefix_sharing"]["document_ids"] >= 0).sum(dim=1).tolist()
-        per_row = dict(zip([doc[0] for doc in unpacked.documents(batch)], per_document))
         if unpacked.share_prefix:
             lengths.extend(per_document)
         else:
-            lengths.extend(sum(per_row[r] for r in group) for group in unpacked.example_groups(batch))
+            first_row = {doc[0]: n for doc, n in zip(unpacked.documents(batch), per_document)}
+            lengths.extend(sum(first_row.get(r, 0) for r in group) for group in unpacked.example_groups(batch))
     return lengths

@@ -141,10 +141,9 @@ class PrefixSharingTrainerMixin:
         if self.packing:
             self.data_collator.packing_length = self._resolve_packing_length()
             if self._attn_implementation != "flex_attention":
-                # dense attention costs the square of the row length whatever the mask: rows as long as the longest
-                # example, several per batch, instead of one row of `packing_length`
-                self.data_collator.packing_row_length = min(self._longest_unit_rounded(64),
-                                                            self.data_collator.packing_length)
+                # dense attention costs the square of the row length whatever the mask: several rows per batch, as
+                # long as its longest document (never more attention than stock's padded rows), not one long row
+                self.data_collator.packing_row_length = "batch"
         self._prefix_sharing_ready = True
 
     def remove_prefix_sharing(self) -> None:
@@ -179,9 +178,6 @@ class PrefixSharingTrainerMixin:
                 raise ValueError("`packing=True` needs map-style datasets (the sampler needs every example's length).")
             longest = max([longest, *self._unit_lengths(dataset)])
         return longest
-
-    def _longest_unit_rounded(self, multiple: int) -> int:
-        return -(-self._longest_unit() // multiple) * multiple
 
     def _resolve_packing_length(self) -> int:
         """`packing_length`, or `per_device_train_batch_size` x the longest unit (train and eval), rounded to 128."""
