@@ -29,23 +29,26 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--prefix_sharing", type=int, default=1)
+    parser.add_argument("--packing", type=int, default=1)
+    parser.add_argument("--batch_size", type=int, default=3)
+    parser.add_argument("--grad_accum", type=int, default=2)
     args = parser.parse_args()
     datasets.disable_progress_bars()
     torch.set_num_threads(1)
     tokenizer = make_tokenizer()
-    dataset = synthetic_pairs(37, (1, 80), (1, 12), seed=21)
+    dataset = synthetic_pairs(36, (1, 80), (1, 12), seed=21)
     model = make_model("qwen2", len(tokenizer), seed=0)
     ref = make_model("qwen2", len(tokenizer), seed=1)
-    config = DPOConfig(output_dir=os.path.join(args.out, "run"), per_device_train_batch_size=3, num_train_epochs=1,
-                       bf16=False, use_cpu=True, report_to="none", logging_steps=1, save_strategy="no", seed=0,
-                       prefix_sharing=bool(args.prefix_sharing), packing=True, learning_rate=1e-3,
-                       gradient_accumulation_steps=2)
+    config = DPOConfig(output_dir=os.path.join(args.out, "run"), per_device_train_batch_size=args.batch_size,
+                       num_train_epochs=1, bf16=False, use_cpu=True, report_to="none", logging_steps=1,
+                       save_strategy="no", seed=0, prefix_sharing=bool(args.prefix_sharing),
+                       packing=bool(args.packing), learning_rate=1e-3, gradient_accumulation_steps=args.grad_accum)
     trainer = DPOTrainer(model=model, ref_model=ref, args=config, train_dataset=dataset, processing_class=tokenizer)
     counter = CountBatches()
     trainer.add_callback(counter)
     loader = trainer.get_train_dataloader()
     sampler = getattr(loader.batch_sampler, "batch_sampler", loader.batch_sampler)
-    batches = [list(b) for b in sampler]
+    batches = [list(b) for b in sampler] if args.packing else []
     trainer.train()
     rank = trainer.args.process_index
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:

@@ -1,5 +1,6 @@
-"""A 2-process CPU run (gloo, torchrun) of DPO with prefix sharing and packing finishes an epoch: equal batch counts
-on both ranks though they hold different numbers of pairs, every example seen exactly once, same logged losses."""
+"""2-process CPU runs (gloo, torchrun). With packing: an epoch finishes with equal batch counts on both ranks though
+they hold different numbers of pairs, every example seen exactly once, same logged losses. With sharing: the same
+losses as one process with the same global batch."""
 
 import json
 import socket
@@ -16,19 +17,31 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("prefix_sharing", [1, 0])
-def test_two_process_packed_epoch(tmp_path, prefix_sharing):
+def _launch(out, processes, *args):
     script = Path(__file__).parent / "distributed_train.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(script), "--out", str(tmp_path), "--prefix_sharing",
-           str(prefix_sharing)]
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr",
+           "127.0.0.1", "--master_port", str(_free_port()), str(script), "--out", str(out), *map(str, args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(processes)]
+
+
+@pytest.mark.parametrize("prefix_sharing", [1, 0])
+def test_two_process_packed_epoch(tmp_path, prefix_sharing):
+    ranks = _launch(tmp_path, 2, "--prefix_sharing", prefix_sharing)
     assert all(r["world"] == 2 for r in ranks)
     assert ranks[0]["len"] == ranks[1]["len"] == len(ranks[0]["batches"]) == len(ranks[1]["batches"])
     assert ranks[0]["steps"] == ranks[1]["steps"] > 0
     assert ranks[0]["pairs_per_batch"] != ranks[1]["pairs_per_batch"]  # unequal pairs per rank, and no hang
     seen = sorted(i for r in ranks for batch in r["batches"] for i in batch)
-    assert seen == list(range(37))
+    assert seen == list(range(36))
     assert ranks[0]["losses"] == ranks[1]["losses"] and len(ranks[0]["losses"]) == ranks[0]["steps"]
+
+
+def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
+    single = _launch(tmp_path / "one", 1, "--packing", 0, "--batch_size", 4, "--grad_accum", 1)
+    double = _launch(tmp_path / "two", 2, "--packing", 0, "--batch_size", 2, "--grad_accum", 1)
+    assert len(single[0]["losses"]) == len(double[0]["losses"]) == 9
+    for one, two in zip(single[0]["losses"], double[0]["losses"]):
+        assert two == pytest.approx(one, rel=1e-4, abs=1e-6)

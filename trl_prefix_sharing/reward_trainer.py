@@ -44,15 +44,17 @@ class RewardTrainer(PrefixSharingTrainerMixin, trl.RewardTrainer):
     ):
         self._init_prefix_sharing_state()
         self._ranked = train_dataset is not None and is_ranked_dataset(get_dataset_column_names(train_dataset))
-        if args is not None and (getattr(args, "prefix_sharing", False) or getattr(args, "packing", False)):
+        enabled = args is not None and (getattr(args, "prefix_sharing", False) or getattr(args, "packing", False))
+        if enabled:
             if not isinstance(args, RewardConfig):
                 raise TypeError("`prefix_sharing`/`packing` need `trl_prefix_sharing.RewardConfig` as `args`.")
             self._check_model_and_processor(model, args, processing_class, peft_config)
-        describe = ("a reward dataset needs 'chosen' and 'rejected' (optionally 'prompt' and 'margin'), or "
-                    "pre-tokenized 'chosen_ids' and 'rejected_ids', or a ranked list 'completions' (best first).")
-        accepted = ({"chosen", "rejected"}, {"chosen_ids", "rejected_ids"}, {"completions"}, {"completion_ids"})
-        check_dataset_columns(train_dataset, "train", accepted, describe)
-        check_dataset_columns(eval_dataset, "eval", accepted, describe)
+        if enabled or self._ranked:
+            describe = ("a reward dataset needs 'chosen' and 'rejected' (optionally 'prompt' and 'margin'), or "
+                        "pre-tokenized 'chosen_ids' and 'rejected_ids', or a ranked list 'completions' (best first).")
+            accepted = ({"chosen", "rejected"}, {"chosen_ids", "rejected_ids"}, {"completions"}, {"completion_ids"})
+            check_dataset_columns(train_dataset, "train", accepted, describe)
+            check_dataset_columns(eval_dataset, "eval", accepted, describe)
         if self._ranked and data_collator is None and processing_class is not None:
             pad = processing_class.pad_token or processing_class.eos_token
             data_collator = RankedCollator(processing_class.convert_tokens_to_ids(pad),

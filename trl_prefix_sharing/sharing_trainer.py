@@ -18,6 +18,7 @@ from .distributed import variable_size_gathers
 from .forward import install_prefix_sharing_forward, remove_prefix_sharing_forward, unwrap_model
 from .sampler import MultipackSampler
 from .stats import sharing_stats
+from .validation import validate_preference_rows
 
 logger = logging.get_logger(__name__)
 
@@ -54,6 +55,7 @@ def check_dataset_columns(dataset, name: str, accepted: tuple[set[str], ...], de
         )
     if not any(required <= columns for required in accepted):
         raise ValueError(f"The {name} dataset has columns {sorted(columns)}; {describe}")
+    validate_preference_rows(dataset, name)
 
 
 class PrefixSharingTrainerMixin:

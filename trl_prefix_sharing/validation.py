@@ -1,0 +1,53 @@
+"""Row-by-row checks of preference data, before TRL's preprocessing: a clear error naming the row and the field,
+instead of an exception deep inside `datasets.map` or a silently wrong number."""
+
+from __future__ import annotations
+
+import math
+
+from datasets import Dataset
+
+__all__ = ["validate_preference_rows"]
+
+_TEXT_FIELDS = ("prompt", "chosen", "rejected")
+
+
+def _check_text(value, where: str, allow_empty: bool) -> None:
+    if value is None:
+        raise ValueError(f"{where} is None. Fill it in or drop the row.")
+    if isinstance(value, str):
+        return
+    if isinstance(value, list):  # conversational: a list of {"role", "content"} messages
+        for k, message in enumerate(value):
+            if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                raise ValueError(f"{where}: message {k} is {message!r}; expected a dict with 'role' and 'content'.")
+            if message["content"] is not None and not isinstance(message["content"], (str, list)):
+                raise ValueError(f"{where}: message {k} has content of type {type(message['content']).__name__}.")
+        if not value and not allow_empty:
+            raise ValueError(f"{where} is an empty list of messages.")
+        return
+    raise ValueError(f"{where} is of type {type(value).__name__}; expected text or a list of messages.")
+
+
+def validate_preference_rows(dataset, name: str) -> None:
+    """Check every row of a map-style dataset (text fields, ranked completions, margins)."""
+    if not isinstance(dataset, Dataset):
+        return
+    columns = set(dataset.column_names)
+    if {"prompt_ids", "chosen_ids", "rejected_ids"} & columns or "completion_ids" in columns:
+        return  # pre-tokenized: TRL checks the ids
+    fields = [f for f in _TEXT_FIELDS if f in columns]
+    for index, row in enumerate(dataset):
+        for field in fields:
+            _check_text(row[field], f"{name} row {index}, '{field}'", allow_empty=field == "prompt")
+        if "completions" in columns:
+            completions = row["completions"]
+            if not isinstance(completions, list) or len(completions) < 2:
+                raise ValueError(f"{name} row {index}: 'completions' must list at least 2 completions (best first), "
+                                 f"got {completions!r}.")
+            for k, completion in enumerate(completions):
+                _check_text(completion, f"{name} row {index}, completion {k}", allow_empty=False)
+        if "margin" in columns:
+            margin = row["margin"]
+            if margin is None or not isinstance(margin, (int, float)) or math.isnan(margin) or math.isinf(margin):
+                raise ValueError(f"{name} row {index}: 'margin' is {margin!r}; it must be a finite number.")
