@@ -1,5 +1,10 @@
-"""Launched by tests/test_distributed.py as 2 CPU processes (gloo): DPO with prefix sharing and packing for one
-epoch on data whose packed rows hold different numbers of pairs. Each rank writes what it saw to --out."""
+"""Launched by tests/test_distributed.py through torch.distributed.run on CPU (gloo): one epoch of DPO or reward
+training with prefix sharing and/or packing on data whose packed rows hold different numbers of pairs. Each rank
+writes what it saw to --out.
+
+`--replay_ranks N` (one process): each batch is the union of the i-th packed batches of the N ranks of a run on N
+ranks, so each optimizer step sees the same pairs as there; with `--packing 0` it is an ordinary (stock-equal) batch,
+whose loss is the plain mean over those pairs."""
 
 import argparse
 import json
@@ -13,8 +18,9 @@ import datasets  # noqa: E402
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from trl_prefix_sharing import DPOConfig, DPOTrainer  # noqa: E402
-from trl_prefix_sharing.tiny import make_model, make_tokenizer, synthetic_pairs  # noqa: E402
+from trl_prefix_sharing import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer  # noqa: E402
+from trl_prefix_sharing.sharing_trainer import _TrainerMultipackSampler  # noqa: E402
+from trl_prefix_sharing.tiny import make_config, make_model, make_tokenizer, synthetic_pairs  # noqa: E402
 
 
 class CountBatches(TrainerCallback):
@@ -25,30 +31,61 @@ class CountBatches(TrainerCallback):
         self.steps += 1
 
 
+class ReplayRanks(_TrainerMultipackSampler):
+    """One process yields, step by step, the union of the batches all `num_replicas` ranks take."""
+
+    def __iter__(self):
+        plan = self._plan()
+        for i in range(len(plan[0])):
+            yield [index for batches in plan for index in batches[i]]
+
+    def __len__(self):
+        return len(self._plan()[0])
+
+
+def make_trainer(args, tokenizer, dataset):
+    common = dict(output_dir=os.path.join(args.out, "run"), per_device_train_batch_size=args.batch_size,
+                  num_train_epochs=1, bf16=False, use_cpu=True, report_to="none", logging_steps=1,
+                  save_strategy="no", seed=0, prefix_sharing=bool(args.prefix_sharing), packing=bool(args.packing),
+                  learning_rate=1e-3, gradient_accumulation_steps=args.grad_accum)
+    if args.kind == "dpo":
+        model = make_model("qwen2", len(tokenizer), seed=0)
+        ref = make_model("qwen2", len(tokenizer), seed=1)
+        return DPOTrainer(model=model, ref_model=ref, args=DPOConfig(**common), train_dataset=dataset,
+                          processing_class=tokenizer)
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(make_config("llama", len(tokenizer), num_labels=1),
+                                                           attn_implementation="sdpa", dtype=torch.float32)
+    return RewardTrainer(model=model, args=RewardConfig(**common, center_rewards_coefficient=0.01),
+                         train_dataset=dataset, processing_class=tokenizer)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--kind", choices=["dpo", "reward"], default="dpo")
     parser.add_argument("--prefix_sharing", type=int, default=1)
     parser.add_argument("--packing", type=int, default=1)
     parser.add_argument("--batch_size", type=int, default=3)
     parser.add_argument("--grad_accum", type=int, default=2)
+    parser.add_argument("--replay_ranks", type=int, default=0)
     args = parser.parse_args()
     datasets.disable_progress_bars()
     torch.set_num_threads(1)
     tokenizer = make_tokenizer()
     dataset = synthetic_pairs(36, (1, 80), (1, 12), seed=21)
-    model = make_model("qwen2", len(tokenizer), seed=0)
-    ref = make_model("qwen2", len(tokenizer), seed=1)
-    config = DPOConfig(output_dir=os.path.join(args.out, "run"), per_device_train_batch_size=args.batch_size,
-                       num_train_epochs=1, bf16=False, use_cpu=True, report_to="none", logging_steps=1,
-                       save_strategy="no", seed=0, prefix_sharing=bool(args.prefix_sharing),
-                       packing=bool(args.packing), learning_rate=1e-3, gradient_accumulation_steps=args.grad_accum)
-    trainer = DPOTrainer(model=model, ref_model=ref, args=config, train_dataset=dataset, processing_class=tokenizer)
+    trainer = make_trainer(args, tokenizer, dataset)
+    if args.replay_ranks:
+        replay = ReplayRanks(trainer._unit_lengths(trainer.train_dataset), trainer._resolve_packing_length(),
+                             num_replicas=args.replay_ranks, rank=0, seed=trainer.args.seed, shuffle=True)
+        trainer._get_train_sampler = lambda train_dataset=None: replay
     counter = CountBatches()
     trainer.add_callback(counter)
     loader = trainer.get_train_dataloader()
     sampler = getattr(loader.batch_sampler, "batch_sampler", loader.batch_sampler)
-    batches = [list(b) for b in sampler] if args.packing else []
+    batches = [list(b) for b in sampler] if args.packing or args.replay_ranks else []
     trainer.train()
     rank = trainer.args.process_index
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:

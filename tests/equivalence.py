@@ -79,8 +79,10 @@ def step(trainer, examples):
             "batch": batch}
 
 
-def assert_same_step(stock, shared, atol=1e-5, rtol=1e-5):
-    """Loss, per-pair log-probs, every stock metric and every gradient equal; compared tensors non-empty."""
+def assert_same_step(stock, shared, atol=1e-5, rtol=1e-5, grad_tolerances=None):
+    """Loss, per-pair log-probs, every stock metric and every gradient equal; compared tensors non-empty.
+    `grad_tolerances`: {"atol", "rtol"} for the gradients alone (default: the same as the rest)."""
+    grad_tolerances = grad_tolerances or {"atol": atol, "rtol": rtol}
     assert stock["chosen"].numel() > 0 and stock["rejected"].numel() > 0
     torch.testing.assert_close(shared["chosen"], stock["chosen"], atol=atol, rtol=rtol)
     torch.testing.assert_close(shared["rejected"], stock["rejected"], atol=atol, rtol=rtol)
@@ -92,7 +94,7 @@ def assert_same_step(stock, shared, atol=1e-5, rtol=1e-5):
     assert stock["grads"] and set(shared["grads"]) == set(stock["grads"])
     for name, grad in stock["grads"].items():
         assert grad.numel() > 0
-        torch.testing.assert_close(shared["grads"][name], grad, atol=atol, rtol=rtol,
+        torch.testing.assert_close(shared["grads"][name], grad, **grad_tolerances,
                                    msg=lambda m, name=name: f"grad {name}: {m}")
 
 

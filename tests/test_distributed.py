@@ -39,9 +39,28 @@ def test_two_process_packed_epoch(tmp_path, prefix_sharing):
     assert ranks[0]["losses"] == ranks[1]["losses"] and len(ranks[0]["losses"]) == ranks[0]["steps"]
 
 
-def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
-    single = _launch(tmp_path / "one", 1, "--packing", 0, "--batch_size", 4, "--grad_accum", 1)
-    double = _launch(tmp_path / "two", 2, "--packing", 0, "--batch_size", 2, "--grad_accum", 1)
-    assert len(single[0]["losses"]) == len(double[0]["losses"]) == 9
+SAME_GLOBAL_BATCH = {
+    # (one process, two processes): per_device_train_batch_size 4 on one rank = 2 on each of two
+    "dpo-sharing": (["--packing", 0, "--batch_size", 4, "--grad_accum", 1],
+                    ["--packing", 0, "--batch_size", 2, "--grad_accum", 1]),
+    # packing: one process takes the pairs of both ranks' packed batches as one ordinary batch (the plain mean)
+    "dpo-sharing-packing": (["--packing", 0, "--replay_ranks", 2, "--grad_accum", 1], ["--grad_accum", 1]),
+    "reward-sharing-packing": (["--kind", "reward", "--packing", 0, "--replay_ranks", 2, "--grad_accum", 1],
+                               ["--kind", "reward", "--grad_accum", 1]),
+}
+
+
+@pytest.mark.parametrize("setting", list(SAME_GLOBAL_BATCH))
+def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path, setting):
+    """Ranks hold different numbers of pairs under packing; the pair-normalised loss makes every optimizer step the
+    plain mean over all of its pairs (not the mean of the ranks' means), so two ranks train exactly like one process
+    with an ordinary batch of the same pairs."""
+    one_args, two_args = SAME_GLOBAL_BATCH[setting]
+    single = _launch(tmp_path / "one", 1, *one_args)
+    double = _launch(tmp_path / "two", 2, *two_args)
+    assert single[0]["steps"] == double[0]["steps"] == double[1]["steps"] == len(single[0]["losses"]) > 2
+    if "packing" in setting:
+        assert double[0]["pairs_per_batch"] != double[1]["pairs_per_batch"]
+        assert single[0]["batches"] == [a + b for a, b in zip(double[0]["batches"], double[1]["batches"])]
     for one, two in zip(single[0]["losses"], double[0]["losses"]):
         assert two == pytest.approx(one, rel=1e-4, abs=1e-6)
