@@ -1,13 +1,14 @@
 """Stock TRL vs prefix sharing vs packing vs both, on synthetic data shaped like the paper's six datasets.
 
-    python scripts/benchmark.py --mode cpu --out docs/benchmarks      # a few minutes on 2 cores
+    python scripts/benchmark.py --mode cpu --out docs/benchmarks      # ~10 minutes on 2 cores
     python scripts/benchmark.py --mode gpu --out docs/benchmarks      # CUDA, bf16, FlexAttention, ~0.5B model
 
-Every variant trains the same randomly initialised model on the same pairs, in one process, interleaved per profile.
-Throughput is pairs per second over the last of several epochs over a fixed set of pairs (the first epochs warm up);
-results are reported as ratios to stock TRL, since the machine is noisy. Also reported: token positions the model
-runs (padding included) and real tokens, peak GPU memory (GPU mode), packing efficiency, and the sharing speedup's
-share of the ideal linear-layer speedup `2(p+c)/(p+2c)` measured on the data (stock tokens / shared tokens).
+Every variant trains the same randomly initialised model on the same pairs, in one process. After a warm-up epoch
+each, the variants' timed epochs are interleaved (rotating order), and throughput comes from the median epoch: results
+are ratios to stock TRL from the same run, since the machine is noisy. Also reported: token positions the model runs
+(padding included), activation memory (bytes autograd saves for backward), peak GPU memory (GPU mode), packing
+efficiency, and the sharing speedup's share of the ideal linear-layer speedup `2(p+c)/(p+2c)` measured on the data
+(stock tokens / shared tokens). Writes `<mode>.md`, `<mode>.json` and `<mode>_speedup.png` to `--out`.
 """
 
 from __future__ import annotations
@@ -99,8 +100,34 @@ class CountingCollator:
         return batch
 
 
-def run_variant(kind, variant, model, tokenizer, dataset, args, tmp):
-    import torch
+class ActivationMeter:
+    """Bytes of the tensors autograd saves for backward during one loss computation (the activation memory of a
+    step, device-independent and deterministic), max over steps. Wraps `trainer.compute_loss` on the instance."""
+
+    def __init__(self, trainer):
+        import torch
+
+        self.peak = 0
+        original = trainer.compute_loss
+
+        def compute_loss(*args, **kwargs):
+            storages = {}
+
+            def pack(tensor):
+                if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                    storage = tensor.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+                return tensor
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                result = original(*args, **kwargs)
+            self.peak = max(self.peak, sum(storages.values()))
+            return result
+
+        trainer.compute_loss = compute_loss
+
+
+def make_trainer(kind, variant, model, tokenizer, dataset, args, tmp):
     import trl
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
@@ -108,7 +135,7 @@ def run_variant(kind, variant, model, tokenizer, dataset, args, tmp):
 
     cuda = args.mode == "gpu"
     common = dict(output_dir=os.path.join(tmp, f"{kind}-{variant}"), per_device_train_batch_size=args.batch_size,
-                  num_train_epochs=args.epochs, learning_rate=1e-6, logging_steps=10_000, save_strategy="no",
+                  num_train_epochs=1, learning_rate=1e-6, logging_steps=10_000, save_strategy="no",
                   report_to="none", bf16=cuda, use_cpu=not cuda, seed=0, max_length=None,
                   gradient_checkpointing=args.gradient_checkpointing, disable_tqdm=True, dataloader_drop_last=False)
     ours = {"prefix_sharing": "sharing" in variant, "packing": "packing" in variant}
@@ -128,28 +155,63 @@ def run_variant(kind, variant, model, tokenizer, dataset, args, tmp):
                                     train_dataset=dataset, processing_class=tokenizer)
     for callback in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(callback)
-    timer = Timer(cuda)
-    trainer.add_callback(timer.callback)
-    counter = CountingCollator(trainer.data_collator)
-    trainer.data_collator = counter
-    efficiency = None
+    trainer.timer = Timer(cuda)
+    trainer.add_callback(trainer.timer.callback)
+    trainer.counter = CountingCollator(trainer.data_collator)
+    trainer.data_collator = trainer.counter
+    trainer.meter = ActivationMeter(trainer)
+    trainer.peak_memory = 0
+    trainer.efficiency = None
     if ours["packing"]:
-        efficiency = trainer._multipack_sampler(trainer.train_dataset, shuffle=True).efficiency()
+        trainer.efficiency = trainer._multipack_sampler(trainer.train_dataset, shuffle=True).efficiency()
+    return trainer
+
+
+def train_one_epoch(trainer, cuda):
+    """One epoch (`trainer.train()` again); the optimizer is dropped afterwards so that the variants' optimizer
+    states do not pile up in memory."""
+    import torch
+
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     trainer.train()
-    epoch_time = min(timer.epochs[1:] or timer.epochs)
-    result = {
-        "pairs_per_s": len(trainer.train_dataset) / epoch_time,
-        "positions_per_pair": counter.positions / args.epochs / len(trainer.train_dataset),
-        "tokens_per_pair": counter.tokens / args.epochs / len(trainer.train_dataset),
-        "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-        "packing_efficiency": efficiency,
-    }
-    del trainer
+    if cuda:
+        trainer.peak_memory = max(trainer.peak_memory, torch.cuda.max_memory_allocated() - base)
+    trainer.optimizer = trainer.lr_scheduler = None
     gc.collect()
-    return result
+
+
+def run_profile(kind, model, tokenizer, dataset, args, tmp):
+    """All variants on one profile, interleaved: warm-up epoch each, then `args.repeats` rounds of one epoch per
+    variant in a rotating order (drift and noise hit every variant alike); throughput from the median epoch."""
+    cuda = args.mode == "gpu"
+    trainers = {variant: make_trainer(kind, variant, model, tokenizer, dataset, args, tmp) for variant in VARIANTS}
+    for trainer in trainers.values():  # warm-up (and FlexAttention compilation on CUDA): not timed
+        train_one_epoch(trainer, cuda)
+    counts = {v: (t.counter.positions, t.counter.tokens, t.counter.batches) for v, t in trainers.items()}
+    for round_ in range(args.repeats):
+        for variant in VARIANTS[round_ % len(VARIANTS):] + VARIANTS[: round_ % len(VARIANTS)]:
+            train_one_epoch(trainers[variant], cuda)
+    results = {}
+    for variant, trainer in trainers.items():
+        times = sorted(trainer.timer.epochs[1:])
+        positions, tokens, batches = counts[variant]
+        n = len(trainer.train_dataset)
+        results[variant] = {
+            "pairs_per_s": n / times[len(times) // 2],
+            "epoch_times_s": [round(t, 4) for t in trainer.timer.epochs[1:]],
+            "positions_per_pair": positions / n,
+            "tokens_per_pair": tokens / n,
+            "pairs_per_step": n / batches,
+            "activation_mb": trainer.meter.peak / 2**20,
+            "peak_memory_gb": trainer.peak_memory / 2**30 if cuda else None,
+            "packing_efficiency": trainer.efficiency,
+        }
+    del trainers
+    gc.collect()
+    return results
 
 
 def build_model(kind, tokenizer, args):
@@ -178,44 +240,109 @@ def build_model(kind, tokenizer, args):
     return model
 
 
+# the paper's speedups of Flex + prefix sharing over their FlexAttention baseline: (sharing alone, with packing)
+PAPER = {"Capybara": (1.54, 1.36), "HH-RLHF": (1.19, 1.48), "MetaMath-DPO": (1.47, 1.60), "TLDR": (1.20, 1.38),
+         "Tulu-Helpsteer": (1.56, 1.52), "UltraFeedback": (1.18, 1.21)}
+
+
+def summarise(results, args):
+    """Per kind and profile: the ideal, each variant's speedup over stock, and the target checks of issue 6."""
+    rows = {}
+    for kind in args.kinds:
+        for profile, by_variant in results[kind].items():
+            stock = by_variant["stock"]
+            p, c = PROFILES[profile]
+            ideal = stock["tokens_per_pair"] / by_variant["sharing"]["tokens_per_pair"]
+            speed = {v: r["pairs_per_s"] / stock["pairs_per_s"] for v, r in by_variant.items()}
+            if args.mode == "cpu":
+                target = speed["sharing"] >= 0.9 * ideal if p >= c else speed["sharing"] >= 1.0
+            else:
+                target = speed["sharing"] >= PAPER[profile][0] and speed["sharing+packing"] >= PAPER[profile][1]
+            rows[kind, profile] = {"ideal": ideal, "speed": speed, "share": speed["sharing"] / ideal, "target": target}
+    return rows
+
+
+def record_in_package(rows, results, args, command):
+    """Store the measured speedups where `trl-prefix-sharing stats` reads them (one entry per mode)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "trl_prefix_sharing", "data", "measured_speedups.json")
+    recorded = json.load(open(path)) if os.path.exists(path) else {}
+    entry = {"device": args.device_name, "model": args.model_desc, "command": command}
+    for kind in args.kinds:
+        entry[kind] = {
+            profile: {"p_over_c": PROFILES[profile][0] / PROFILES[profile][1],
+                      "ideal": round(rows[kind, profile]["ideal"], 3),
+                      "share_of_ideal": round(rows[kind, profile]["share"], 3),
+                      **{v: round(x, 3) for v, x in rows[kind, profile]["speed"].items() if v != "stock"}}
+            for profile in results[kind]
+        }
+    recorded[args.mode] = entry
+    with open(path, "w") as f:
+        json.dump(recorded, f, indent=1, sort_keys=True)
+        f.write("\n")
+
+
 def write_outputs(results, args, command):
     os.makedirs(args.out, exist_ok=True)
     device = args.device_name
+    rows = summarise(results, args)
+    gpu = args.mode == "gpu"
     lines = [f"# Benchmark: stock TRL vs prefix sharing vs packing ({args.mode.upper()})", "",
              f"Device: {device}. Model: {args.model_desc}. {args.pairs} pairs per profile, per_device_train_batch_size "
-             f"{args.batch_size}, {args.epochs} epochs (the fastest epoch after the first is timed), lengths = paper "
-             f"medians x {args.length_scale} with lognormal spread (sigma 0.5).", "",
+             f"{args.batch_size}, lengths = paper medians x {args.length_scale} with lognormal spread (sigma 0.5), "
+             f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}. Each variant trains one warm-up "
+             f"epoch, then {args.repeats} timed epochs interleaved with the other variants (rotating order); "
+             "throughput is from the median epoch.", "",
              f"Command: `{command}`", "",
-             "Speedup = pairs/s of the variant / pairs/s of stock TRL in the same run. Ideal = stock tokens / shared "
-             "tokens on this data (the linear-layer ideal `2(p+c)/(p+2c)`). Positions = token positions the model "
-             "runs per pair, padding included.", ""]
+             "Speedup = pairs/s of the variant / pairs/s of stock TRL in the same run. Ideal = the linear-layer ideal "
+             "`2(p+c)/(p+2c)` measured on this data (stock tokens / shared tokens, padding excluded); stock also pads "
+             "its rows, so a measured speedup can exceed it. Positions = token positions the model runs per pair, "
+             "padding included. Activation memory = bytes autograd saves for backward in one step (max over steps); a packed "
+             "step holds more pairs than `per_device_train_batch_size` (its row budget is that many times the longest "
+             "example), so the pairs per step are given too.",
+             ""]
+    if gpu:
+        lines += ["Target (issue 6): beat the paper's speedups over its FlexAttention baseline (sharing / "
+                  "sharing+packing, in the 'paper' column) and use less peak memory than stock.", ""]
+    else:
+        lines += ["Target (issue 6): sharing at least 0.9 of the ideal where prompt >= completion, no slowdown on "
+                  "UltraFeedback.", ""]
     for kind in args.kinds:
-        lines += [f"## {kind.upper()}", "",
-                  "| profile | p/c | ideal | sharing | share of ideal | packing | sharing+packing | positions per pair "
-                  "(stock / sharing / packing / both) | packing efficiency (packing / both) | peak memory GB "
-                  "(stock / sharing / packing / both) |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        header = ("| profile | p/c | ideal | sharing | share of ideal | packing | sharing+packing | "
+                  + ("paper (sharing / +packing) | " if gpu else "")
+                  + "target | positions per pair (stock / sharing / packing / both) | packing efficiency "
+                  "(packing / both) | pairs per step (stock / sharing / packing / both) | activation MB per step "
+                  "(stock / sharing / packing / both) |"
+                  + (" peak GPU memory GB (stock / sharing / packing / both) |" if gpu else ""))
+        lines += [f"## {kind.upper()}", "", header, "|" + "---|" * (header.count(" | ") + 1)]
         for profile, by_variant in results[kind].items():
-            stock = by_variant["stock"]
-            ideal = stock["tokens_per_pair"] / by_variant["sharing"]["tokens_per_pair"]
-            speed = {v: r["pairs_per_s"] / stock["pairs_per_s"] for v, r in by_variant.items()}
+            row = rows[kind, profile]
+            speed = row["speed"]
             p, c = PROFILES[profile]
-            positions = " / ".join(f"{by_variant[v]['positions_per_pair']:.0f}" for v in VARIANTS if v in by_variant)
-            eff = " / ".join(f"{100 * by_variant[v]['packing_efficiency']:.1f}%" for v in ("packing", "sharing+packing")
-                             if v in by_variant and by_variant[v]["packing_efficiency"] is not None)
-            mem = " / ".join("-" if by_variant[v]["peak_memory_gb"] is None else f"{by_variant[v]['peak_memory_gb']:.2f}"
-                             for v in VARIANTS if v in by_variant)
-            lines.append(
-                f"| {profile} | {p / c:.2f} | {ideal:.2f}x | {speed['sharing']:.2f}x | {speed['sharing'] / ideal:.2f} | "
-                f"{speed.get('packing', float('nan')):.2f}x | {speed.get('sharing+packing', float('nan')):.2f}x | "
-                f"{positions} | {eff or '-'} | {mem} |")
+
+            def each(key, fmt, variants=VARIANTS):
+                return " / ".join("-" if by_variant[v][key] is None else fmt.format(by_variant[v][key])
+                                  for v in variants if v in by_variant)
+
+            cells = [profile, f"{p / c:.2f}", f"{row['ideal']:.2f}x", f"{speed['sharing']:.2f}x", f"{row['share']:.2f}",
+                     f"{speed['packing']:.2f}x", f"{speed['sharing+packing']:.2f}x"]
+            if gpu:
+                cells.append(f"{PAPER[profile][0]:.2f}x / {PAPER[profile][1]:.2f}x")
+            cells += ["met" if row["target"] else "**missed**", each("positions_per_pair", "{:.0f}"),
+                      each("packing_efficiency", "{:.1%}", ("packing", "sharing+packing")),
+                      each("pairs_per_step", "{:.1f}"),
+                      each("activation_mb", "{:.1f}")]
+            if gpu:
+                cells.append(each("peak_memory_gb", "{:.2f}"))
+            lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     path = os.path.join(args.out, f"{args.mode}.md")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(args.out, f"{args.mode}.json"), "w") as f:
-        json.dump(results, f, indent=1)
+        json.dump({"command": command, "device": device, "model": args.model_desc, "results": results}, f, indent=1)
     print("\n".join(lines))
+    if args.record:
+        record_in_package(rows, results, args, command)
     try:
         import matplotlib
 
@@ -255,16 +382,18 @@ def main():
     parser.add_argument("--kinds", default="dpo,reward")
     parser.add_argument("--pairs", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=None)
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=4, help="timed epochs per variant, interleaved")
     parser.add_argument("--length-scale", type=float, default=None)
     parser.add_argument("--family", default="llama")
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--out", default="docs/benchmarks")
+    parser.add_argument("--record", action="store_true",
+                        help="also store the speedups in trl_prefix_sharing/data/measured_speedups.json (for `stats`)")
     args = parser.parse_args()
     gpu = args.mode == "gpu"
-    args.pairs = args.pairs or (256 if gpu else 24)
+    args.pairs = args.pairs or (256 if gpu else 32)
     args.batch_size = args.batch_size or (8 if gpu else 4)
     args.length_scale = args.length_scale or (1.0 if gpu else 0.25)
     args.kinds = args.kinds.split(",")
@@ -292,11 +421,9 @@ def main():
                                f"{'bf16, FlexAttention (prefix sharing) vs SDPA (stock)' if gpu else 'fp32, SDPA'}")
             for profile in args.profiles.split(","):
                 dataset = synthetic_dataset(profile, args.pairs, args.length_scale, seed=0)
-                by_variant = {}
-                for variant in VARIANTS:
-                    by_variant[variant] = run_variant(kind, variant, model, tokenizer, dataset, args, tmp)
-                    print(f"{kind} {profile} {variant}: {by_variant[variant]}", flush=True)
-                results[kind][profile] = by_variant
+                results[kind][profile] = run_profile(kind, model, tokenizer, dataset, args, tmp)
+                for variant, result in results[kind][profile].items():
+                    print(f"{kind} {profile} {variant}: {result}", flush=True)
     write_outputs(results, args, command)
 
 

@@ -83,8 +83,21 @@ def test_stats_reports_whether_it_pays(workspace):
     proc = _run(_console_script() + ["stats", "--dataset_name", str(workspace / "prefs.jsonl"),
                                      "--model_name_or_path", str(workspace / "model")], cwd=workspace)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    for text in ("positions per example", "ideal speedup", "packing", "verdict: prefix sharing pays"):
+    for text in ("positions per example", "with padding, batches of 8", "packed rows: unshared", "ideal speedup",
+                 "expected training speedup from sharing", "verdict: prefix sharing pays"):
         assert text in proc.stdout
+    from trl_prefix_sharing.cli.stats import measured_speedups
+
+    for mode, record in measured_speedups().items():  # the expectation quotes every recorded benchmark
+        assert f"{mode.upper()} ({record['device']}; " in proc.stdout and "share of ideal measured" in proc.stdout
+
+
+def test_stats_missing_column_is_a_clear_error(workspace):
+    (workspace / "no_rejected.jsonl").write_text(json.dumps({"prompt": "w1", "chosen": "w2"}) + "\n")
+    proc = _run(_console_script() + ["stats", "--dataset_name", str(workspace / "no_rejected.jsonl"),
+                                     "--model_name_or_path", str(workspace / "model")], cwd=workspace)
+    assert proc.returncode != 0 and "needs 'chosen' and 'rejected'" in proc.stderr
+    assert "KeyError" not in proc.stderr
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,14 @@ import copy
 
 import pytest
 import torch
-from equivalence import awkward_text_dataset, compare_step, conversational_dataset, make_trainers, step
+from equivalence import (
+    assert_same_step,
+    awkward_text_dataset,
+    compare_step,
+    conversational_dataset,
+    make_trainers,
+    step,
+)
 
 import trl_prefix_sharing.attention as attention_module
 from trl_prefix_sharing.mask import causal, same_document
@@ -152,19 +159,17 @@ def test_training_and_evaluation_match_stock(tmp_path, tokenizer, gradient_check
 
 
 def test_prefix_sharing_off_is_stock(tmp_path, tokenizer):
-    from equivalence import dpo_args
-
     from trl_prefix_sharing import DPOTrainer
     from trl_prefix_sharing.tiny import make_model
 
     model, ref = make_model("qwen2", len(tokenizer)), make_model("qwen2", len(tokenizer), seed=1)
-    trainer = DPOTrainer(model=model, ref_model=ref, args=dpo_args(tmp_path, False), train_dataset=awkward_text_dataset(),
-                         processing_class=tokenizer)
+    stock, trainer = make_trainers(tmp_path, "qwen2", awkward_text_dataset(), tokenizer, model=model, ref_model=ref,
+                                   ours={"prefix_sharing": False})
+    assert isinstance(trainer, DPOTrainer) and type(trainer.data_collator) is type(stock.data_collator)
     examples = [trainer.train_dataset[i] for i in range(4)]
-    batch = trainer.data_collator(examples)
-    assert "prefix_sharing" not in batch
-    result = step(trainer, examples)
-    assert torch.isfinite(result["loss"])
+    assert "prefix_sharing" not in trainer.data_collator(examples)
+    stock_result, result = step(stock, examples), step(trainer, examples)
+    assert_same_step(stock_result, result, atol=0, rtol=0)  # bitwise: nothing of ours runs
 
 
 def test_policy_computes_fewer_positions_on_long_prompts(tmp_path, tokenizer):

@@ -27,9 +27,12 @@ def test_sliding_window_models_match_stock(tmp_path, tokenizer, family, config_k
 
 def test_saved_model_has_no_prefix_sharing_trace(tmp_path, tokenizer):
     from transformers import AutoModelForCausalLM
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    registered = set(ALL_ATTENTION_FUNCTIONS.valid_keys())
     _, shared = make_trainers(tmp_path, "qwen3", awkward_text_dataset(), tokenizer, max_steps=1)
     shared.train()
+    assert set(ALL_ATTENTION_FUNCTIONS.valid_keys()) == registered  # no attention name of ours, so none to save
     out = tmp_path / "saved"
     shared.save_model(str(out))
     config = json.loads((out / "config.json").read_text())
@@ -61,6 +64,32 @@ def test_remove_prefix_sharing_restores_forward(tmp_path, tokenizer):
     assert not shared.args.prefix_sharing
     batch = shared.data_collator([shared.train_dataset[0]])
     assert "prefix_sharing" not in batch
+
+
+@pytest.mark.parametrize("family,config_kwargs", [
+    ("llama", {}),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),  # a BlockMask per layer type
+])
+def test_flex_attention_through_the_model_matches_stock(tmp_path, tokenizer, family, config_kwargs):
+    """CUDA's default path, FlexAttention with the BlockMask through transformers' own `flex_attention`, runs forward
+    on CPU too (no backward there): the prefix-shared log-probs through it equal stock TRL's."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    stock, shared = make_trainers(tmp_path, family, awkward_text_dataset(), tokenizer, config_kwargs=config_kwargs)
+    shared._attn_implementation = "flex_attention"
+    shared.model.set_attn_implementation("flex_attention")
+    examples = [stock.train_dataset[i] for i in range(len(stock.train_dataset))]
+    results = []
+    for trainer in (stock, shared):
+        batch = trainer._prepare_inputs(trainer.data_collator(examples))
+        with torch.no_grad():
+            results.append(trainer.compute_ref_log_probs(trainer.model, batch))
+    masks = batch["prefix_sharing"]["attention_mask"]
+    masks = masks.values() if isinstance(masks, dict) else [masks]
+    assert all(isinstance(mask, BlockMask) for mask in masks)
+    for expected, got in zip(*results):
+        assert expected.numel() > 0
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_flex_attention_on_cpu_is_a_clear_error():

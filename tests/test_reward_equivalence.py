@@ -192,3 +192,15 @@ def test_ranked_needs_two_completions(tmp_path, tokenizer):
         RewardTrainer(model=make_reward_model("llama", tokenizer), args=reward_args(tmp_path, {"prefix_sharing": True}),
                       train_dataset=Dataset.from_list([{"prompt": "w1", "completions": [" w2"]}]),
                       processing_class=tokenizer)
+
+
+def test_ranked_and_pairwise_datasets_cannot_be_mixed(tmp_path, tokenizer):
+    from equivalence import reward_args
+
+    from trl_prefix_sharing import RewardTrainer
+
+    ranked = Dataset.from_list([{"prompt": "w1", "completions": [" w2", " w3", " w4"]}])
+    pairwise = Dataset.from_list([{"prompt": "w1", "chosen": " w2", "rejected": " w3"}])
+    with pytest.raises(ValueError, match="train dataset is ranked and the eval dataset is not"):
+        RewardTrainer(model=make_reward_model("llama", tokenizer), args=reward_args(tmp_path, {"prefix_sharing": True}),
+                      train_dataset=ranked, eval_dataset=pairwise, processing_class=tokenizer)

@@ -31,10 +31,12 @@ def test_coverage_capacity_equal_counts_and_len(seed, replicas):
         for batch in rank_batches:
             assert batch and sum(lengths[i] for i in batch) <= 1024
     seen = sorted(i for rank_batches in batches for batch in rank_batches for i in batch)
-    if len(lengths) >= replicas and len(seen) == len(lengths):
+    assert set(seen) == set(range(len(lengths)))  # never a missing index
+    if len(seen) > len(lengths):  # repeats only when no bin can be split: all single items, fewer than one per rank
+        assert all(len(batch) == 1 for rank_batches in batches for batch in rank_batches)
+        assert len(seen) - len(lengths) < replicas
+    else:
         assert seen == list(range(len(lengths)))  # every index exactly once across ranks
-    else:  # only when no bin can be split further: a few repeated items, never a missing one
-        assert set(seen) == set(range(len(lengths)))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -47,9 +49,23 @@ def test_every_index_exactly_once_when_splittable(seed):
 
 def test_drop_last_drops_and_never_repeats():
     lengths = _lengths(3, 101, 200, 300)
-    _, batches = _epoch(lengths, 600, 4, drop_last=True)
+    samplers, batches = _epoch(lengths, 600, 4, drop_last=True)
+    full = first_fit_decreasing(sorted(range(101), key=lambda i: -lengths[i]), lengths, 600)
+    assert len(full) % 4  # something has to be dropped here
     seen = [i for rank_batches in batches for batch in rank_batches for i in batch]
     assert len(seen) == len(set(seen)) and len({len(b) for b in batches}) == 1
+    assert [len(s) for s in samplers] == [len(b) for b in batches] == [len(full) // 4] * 4  # fewer than 4 bins dropped
+
+
+def test_tiny_datasets():
+    """Fewer items than ranks: every rank still yields the same number of batches (repeats fill in), or none at all
+    with drop_last; one item, one rank: one batch."""
+    samplers, batches = _epoch([5, 7], 16, 4)
+    assert [len(b) for b in batches] == [1] * 4 and [len(s) for s in samplers] == [1] * 4
+    assert {i for b in batches for batch in b for i in batch} == {0, 1}
+    _, batches = _epoch([5, 7], 16, 4, drop_last=True)
+    assert batches == [[]] * 4
+    assert list(MultipackSampler([3], 3)) == [[0]]
 
 
 def test_deterministic_per_seed_and_epoch():

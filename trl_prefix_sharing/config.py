@@ -19,8 +19,9 @@ _FIELDS_DOC = """
     prefix_sharing_attn_implementation (`str`, *optional*, defaults to `"auto"`):
         Attention that applies the prefix-sharing mask: `"flex_attention"` (block-sparse FlexAttention, CUDA),
         `"sdpa"` (the same mask, dense, through `scaled_dot_product_attention`; any device), or `"auto"`
-        (FlexAttention on CUDA, SDPA elsewhere). The model's attention implementation is switched for training only;
-        saved configs are unaffected.
+        (FlexAttention on CUDA, SDPA elsewhere). The trainer switches the attention implementation of the models it
+        holds (undone by `trainer.remove_prefix_sharing()`); no custom attention name is registered, so saved configs
+        are unaffected.
     packing (`bool`, *optional*, defaults to `False`):
         Pack several examples into one row with a multipack first-fit-decreasing sampler, removing padding. Each
         example is one document of the row (no token sees another example). Works with and without

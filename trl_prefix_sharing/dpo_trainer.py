@@ -7,7 +7,14 @@ import trl
 from .config import DPOConfig
 from .sharing_trainer import PrefixSharingTrainerMixin, check_dataset_columns
 
-__all__ = ["DPOTrainer"]
+__all__ = ["DPOTrainer", "DPO_COLUMNS"]
+
+#: (accepted column sets, what a dataset needs): checked before TRL's preprocessing
+DPO_COLUMNS = (
+    ({"chosen", "rejected"}, {"prompt_ids", "chosen_ids", "rejected_ids"}),
+    "a preference dataset needs 'chosen' and 'rejected' (and optionally 'prompt'), text or conversational, or "
+    "pre-tokenized 'prompt_ids', 'chosen_ids' and 'rejected_ids'.",
+)
 
 
 class DPOTrainer(PrefixSharingTrainerMixin, trl.DPOTrainer):
@@ -47,11 +54,8 @@ class DPOTrainer(PrefixSharingTrainerMixin, trl.DPOTrainer):
             if not isinstance(args, DPOConfig):
                 raise TypeError("`prefix_sharing`/`packing` need `trl_prefix_sharing.DPOConfig` as `args`.")
             self._check_model_and_processor(model, args, processing_class, peft_config)
-            describe = ("a preference dataset needs 'chosen' and 'rejected' (and optionally 'prompt'), text or "
-                        "conversational, or pre-tokenized 'prompt_ids', 'chosen_ids' and 'rejected_ids'.")
-            accepted = ({"chosen", "rejected"}, {"prompt_ids", "chosen_ids", "rejected_ids"})
-            check_dataset_columns(train_dataset, "train", accepted, describe)
-            check_dataset_columns(eval_dataset, "eval", accepted, describe)
+            check_dataset_columns(train_dataset, "train", *DPO_COLUMNS)
+            check_dataset_columns(eval_dataset, "eval", *DPO_COLUMNS)
         super().__init__(
             model=model,
             ref_model=ref_model,

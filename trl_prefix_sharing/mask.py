@@ -103,12 +103,15 @@ def dense_mask(mask_mod, batch_size: int, q_len: int, kv_len: int, device=None) 
 _compiled_create_block_mask = None
 
 
-def block_mask(mask_mod, batch_size: int, q_len: int, kv_len: int, device, compile: bool = True):
-    """The FlexAttention ``BlockMask`` of a ``mask_mod`` (compiled ``create_block_mask`` by default)."""
+def block_mask(mask_mod, batch_size: int, q_len: int, kv_len: int, device, compile: bool | None = None):
+    """The FlexAttention ``BlockMask`` of a ``mask_mod``. ``compile`` (default: on CUDA) uses a compiled
+    ``create_block_mask``, which does not materialise the dense mask; uncompiled it does (fine for small CPU checks)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     global _compiled_create_block_mask
     builder = create_block_mask
+    if compile is None:
+        compile = torch.device(device).type == "cuda"
     if compile:
         if _compiled_create_block_mask is None:
             _compiled_create_block_mask = torch.compile(create_block_mask)

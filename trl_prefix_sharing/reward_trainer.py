@@ -10,7 +10,14 @@ from .config import RewardConfig
 from .ranked import RankedCollator, is_ranked_dataset, ranked_loss, ranked_pairs, tokenize_ranked
 from .sharing_trainer import PrefixSharingTrainerMixin, check_dataset_columns
 
-__all__ = ["RewardTrainer"]
+__all__ = ["RewardTrainer", "REWARD_COLUMNS"]
+
+#: (accepted column sets, what a dataset needs): checked before TRL's preprocessing
+REWARD_COLUMNS = (
+    ({"chosen", "rejected"}, {"chosen_ids", "rejected_ids"}, {"completions"}, {"completion_ids"}),
+    "a reward dataset needs 'chosen' and 'rejected' (optionally 'prompt' and 'margin'), or pre-tokenized "
+    "'chosen_ids' and 'rejected_ids', or a ranked list 'completions' (best first).",
+)
 
 
 class RewardTrainer(PrefixSharingTrainerMixin, trl.RewardTrainer):
@@ -44,17 +51,24 @@ class RewardTrainer(PrefixSharingTrainerMixin, trl.RewardTrainer):
     ):
         self._init_prefix_sharing_state()
         self._ranked = train_dataset is not None and is_ranked_dataset(get_dataset_column_names(train_dataset))
+        evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]
+        for name, dataset in evals:
+            if dataset is not None and train_dataset is not None and (
+                is_ranked_dataset(get_dataset_column_names(dataset)) != self._ranked
+            ):
+                raise ValueError(
+                    f"The train dataset is {'ranked' if self._ranked else 'pairwise'} and the {name} dataset is not: "
+                    "one collator serves both, so give them the same format (e.g. expand ranked data to pairs with "
+                    "`trl_prefix_sharing.ranked.expand_ranked_to_pairs`)."
+                )
         enabled = args is not None and (getattr(args, "prefix_sharing", False) or getattr(args, "packing", False))
         if enabled:
             if not isinstance(args, RewardConfig):
                 raise TypeError("`prefix_sharing`/`packing` need `trl_prefix_sharing.RewardConfig` as `args`.")
             self._check_model_and_processor(model, args, processing_class, peft_config)
         if enabled or self._ranked:
-            describe = ("a reward dataset needs 'chosen' and 'rejected' (optionally 'prompt' and 'margin'), or "
-                        "pre-tokenized 'chosen_ids' and 'rejected_ids', or a ranked list 'completions' (best first).")
-            accepted = ({"chosen", "rejected"}, {"chosen_ids", "rejected_ids"}, {"completions"}, {"completion_ids"})
-            check_dataset_columns(train_dataset, "train", accepted, describe)
-            check_dataset_columns(eval_dataset, "eval", accepted, describe)
+            check_dataset_columns(train_dataset, "train", *REWARD_COLUMNS)
+            check_dataset_columns(eval_dataset, "eval", *REWARD_COLUMNS)
         if self._ranked and data_collator is None and processing_class is not None:
             pad = processing_class.pad_token or processing_class.eos_token
             data_collator = RankedCollator(processing_class.convert_tokens_to_ids(pad),

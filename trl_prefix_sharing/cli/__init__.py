@@ -59,7 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     if command == "stats":
         from .stats import main as stats_main
 
-        return stats_main(rest)
+        try:
+            return stats_main(rest)
+        except (ValueError, FileNotFoundError) as error:  # bad dataset or path: the message, not a traceback
+            print(f"trl-prefix-sharing stats: error: {error}", file=sys.stderr)
+            return 2
     if command == "demo":
         from ..demo import main as demo_main
 

@@ -3,17 +3,47 @@
 Tokenizes the dataset exactly as TRL's trainer would (same preprocessing, same truncation), runs the real collator and
 reports the prompt/completion length distribution, token positions per example with and without sharing and
 packing, and the predicted speedup: the ideal `2(p+c)/(p+2c)` for the linear layers (measured on this dataset as
-stock / shared positions) and for attention, and the expected one (ideal x the share of ideal our benchmarks measure).
+stock / shared positions) and for attention, and the expected one: the ideal times the share of ideal that
+`scripts/benchmark.py --record` measured on the benchmark profile whose prompt/completion ratio is nearest to this
+dataset's (`trl_prefix_sharing/data/measured_speedups.json`, one entry per device kind measured).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import tempfile
+from importlib import resources
 
-#: Measured speedup / ideal linear-layer speedup on CPU (docs/benchmarks/cpu.md, profiles with prompt >= completion).
-MEASURED_SHARE_OF_IDEAL = 0.9
+MEASURED_SPEEDUPS = "measured_speedups.json"
+
+
+def measured_speedups() -> dict:
+    """What `scripts/benchmark.py --record` measured: {mode: {"device", "command", kind: {profile: {...}}}}."""
+    path = resources.files("trl_prefix_sharing") / "data" / MEASURED_SPEEDUPS
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def expected_speedup_lines(kind: str, ratio: float, linear_ideal: float) -> list[str]:
+    """The expected speedup on a dataset of prompt/completion ratio `ratio`, from the nearest measured profile."""
+    lines = []
+    for mode, record in sorted(measured_speedups().items()):
+        profiles = record.get(kind) or {}
+        if not profiles:
+            continue
+        name, near = min(profiles.items(), key=lambda item: abs(math.log(item[1]["p_over_c"] / max(ratio, 1e-6))))
+        share = near["share_of_ideal"]
+        lines.append(f"    {mode.upper()} ({record['device']}; {record['model']}): ~{linear_ideal * share:.2f}x "
+                     f"(ideal x {share:.2f}, the "
+                     f"share of ideal measured on the {name} profile, p/c {near['p_over_c']:.2f}: sharing "
+                     f"{near['sharing']:.2f}x, sharing+packing {near['sharing+packing']:.2f}x over stock)")
+    if not lines:
+        lines.append("    no benchmark recorded for this trainer (run scripts/benchmark.py --record)")
+    if "gpu" not in measured_speedups():
+        lines.append("    GPU: no benchmark recorded yet (scripts/benchmark.py --mode gpu --record on a CUDA machine)")
+    return lines
 
 
 def _percentiles(values, points=(10, 50, 90, 99)):
@@ -51,7 +81,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..collator import PrefixSharingCollator
     from ..config import DPOConfig, RewardConfig
+    from ..dpo_trainer import DPO_COLUMNS
+    from ..reward_trainer import REWARD_COLUMNS
     from ..sampler import MultipackSampler
+    from ..sharing_trainer import check_dataset_columns
     from .train import load_script_dataset
 
     class _Script:
@@ -65,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dataset_train_split not in dataset:
         raise SystemExit(f"Split {args.dataset_train_split!r} not in the dataset (splits: {list(dataset)}).")
     dataset = dataset[args.dataset_train_split]
+    check_dataset_columns(dataset, args.dataset_train_split, *(DPO_COLUMNS if args.trainer == "dpo" else REWARD_COLUMNS))
     if args.max_examples:
         dataset = dataset.select(range(min(args.max_examples, len(dataset))))
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
@@ -96,11 +130,12 @@ def main(argv: list[str] | None = None) -> int:
             base = (RankedCollator(tokenizer.pad_token_id) if ranked
                     else DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id))
     collator = PrefixSharingCollator(base, pad_token_id=tokenizer.pad_token_id)
-    unshared = PrefixSharingCollator(base, pad_token_id=tokenizer.pad_token_id, share_prefix=False)
 
     prompt_lens, completion_lens, shared_units, unshared_units = [], [], [], []
     stock_tokens = shared_tokens = stock_attention = shared_attention = no_prefix = 0
-    chunk = 256
+    stock_padded = shared_padded = 0  # positions of batches of `per_device_train_batch_size`, padding included
+    batch_size = args.per_device_train_batch_size
+    chunk = 256 // batch_size * batch_size or batch_size
     for start in tqdm(range(0, len(dataset), chunk), desc="Measuring", disable=len(dataset) <= 4 * chunk):
         examples = [dataset[i] for i in range(start, min(start + chunk, len(dataset)))]
         batch = collator(examples)
@@ -108,7 +143,13 @@ def main(argv: list[str] | None = None) -> int:
         lengths = batch["attention_mask"].sum(dim=1).tolist()
         per_doc = (layout["document_ids"] >= 0).sum(dim=1).tolist()
         prefix = ((layout["branch_ids"] == 0) & (layout["document_ids"] >= 0)).sum(dim=1).tolist()
-        for group, doc_len, p in zip(collator.example_groups(batch), per_doc, prefix):
+        groups = collator.example_groups(batch)
+        for first in range(0, len(groups), batch_size):  # consecutive examples stand in for a shuffled batch
+            rows = [r for group in groups[first:first + batch_size] for r in group]
+            stock_padded += len(rows) * max(lengths[r] for r in rows)
+            docs = per_doc[first:first + batch_size]
+            shared_padded += len(docs) * max(docs)
+        for group, doc_len, p in zip(groups, per_doc, prefix):
             rows = [lengths[r] for r in group]
             shared_p = p + 1 if p else 0  # the prefix plus the copy of its last token heading each branch
             prompt_lens.append(shared_p)
@@ -127,22 +168,30 @@ def main(argv: list[str] | None = None) -> int:
     attention = stock_attention / max(shared_attention, 1)
 
     def packing(units):
-        length = -(-args.per_device_train_batch_size * max(units) // 128) * 128
-        return length, MultipackSampler(units, length).efficiency()
+        """Row length (the trainer's default `packing_length`), efficiency, positions per example."""
+        length = -(-batch_size * max(units) // 128) * 128
+        sampler = MultipackSampler(units, length)
+        return length, sampler.efficiency(), len(sampler) * length / n
 
-    shared_len, shared_eff = packing(shared_units)
-    unshared_len, unshared_eff = packing(unshared_units)
+    shared_len, shared_eff, shared_packed = packing(shared_units)
+    unshared_len, unshared_eff, unshared_packed = packing(unshared_units)
+    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
+    ratio = median(prompt_lens) / max(median(completion_lens), 1)
     print(f"Dataset {args.dataset_name} ({n:,} examples after TRL's preprocessing, {args.trainer}, "
           f"max_length={max_length}, {args.truncation_mode})")
     print(f"  shared prefix (prompt) tokens:  {_percentiles(prompt_lens)}")
     print(f"  completion tokens:              {_percentiles(completion_lens)}")
-    print(f"  positions per example:          stock {stock_tokens / n:.1f}, shared {shared_tokens / n:.1f}")
+    print(f"  positions per example:          stock {stock_tokens / n:.1f}, shared {shared_tokens / n:.1f} "
+          f"(tokens, no padding)")
+    print(f"  with padding, batches of {batch_size}:   stock {stock_padded / n:.1f}, shared {shared_padded / n:.1f}; "
+          f"packed rows: unshared {unshared_packed:.1f}, shared {shared_packed:.1f}")
     print(f"  examples with no shared prefix: {no_prefix:,}")
     print(f"  packing (rows of {shared_len} tokens, shared):   {100 * shared_eff:.1f}% of row tokens used")
     print(f"  packing (rows of {unshared_len} tokens, unshared): {100 * unshared_eff:.1f}% of row tokens used")
     print(f"  ideal speedup, linear layers 2(p+c)/(p+2c): {linear:.2f}x; attention: {attention:.2f}x")
-    print(f"  expected training speedup from sharing: ~{max(1.0, linear * MEASURED_SHARE_OF_IDEAL):.2f}x "
-          f"(ideal x {MEASURED_SHARE_OF_IDEAL} measured share of ideal, docs/benchmarks)")
+    print(f"  expected training speedup from sharing (median prompt/completion {ratio:.2f}):")
+    for line in expected_speedup_lines(args.trainer, ratio, linear):
+        print(line)
     verdict = "pays" if linear >= 1.15 else "pays little" if linear >= 1.05 else "does not pay"
     print(f"  verdict: prefix sharing {verdict} on this dataset.")
     return 0
