@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  completion tokens:              {_percentiles(completion_lens)}")
     print(f"  positions per example:          stock {stock_tokens / n:.1f}, shared {shared_tokens / n:.1f} "
           f"(tokens, no padding)")
-    print(f"  with padding, batches of {batch_size}:   stock {stock_padded / n:.1f}, shared {shared_padded / n:.1f}; "
+    print(f"  {f'with padding, batches of {batch_size}:':<32}stock {stock_padded / n:.1f}, shared {shared_padded / n:.1f}; "
           f"packed rows: unshared {unshared_packed:.1f}, shared {shared_packed:.1f}")
     print(f"  examples with no shared prefix: {no_prefix:,}")
     print(f"  packing (rows of {shared_len} tokens, shared):   {100 * shared_eff:.1f}% of row tokens used")
