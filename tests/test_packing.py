@@ -5,6 +5,8 @@ import pytest
 import torch
 from equivalence import assert_same_step, awkward_text_dataset, make_trainers, step
 
+from transformers.trainer_pt_utils import BatchRebalanceSampler
+
 from trl_prefix_sharing.tiny import synthetic_pairs
 
 
@@ -105,3 +107,43 @@ def test_over_long_example_for_packing_length_is_a_clear_error(tmp_path, tokeniz
                               ours={"prefix_sharing": True, "packing": True, "packing_length": 32})
     with pytest.raises(ValueError, match=r"Item \d+ has length \d+, more than max_tokens=32"):
         packed.get_train_dataloader()
+
+
+class _FixedBatches(BatchRebalanceSampler):
+    """A batch sampler the Trainer passes through unchanged: exactly these batches, in this order."""
+
+    def __init__(self, batches):
+        self.batches = [list(b) for b in batches]
+
+    def __iter__(self):
+        return iter([list(b) for b in self.batches])
+
+    def __len__(self):
+        return len(self.batches)
+
+    def set_epoch(self, epoch):
+        pass
+
+
+def test_training_loop_with_accumulation_equals_stock_on_the_same_pairs(tmp_path, tokenizer):
+    """`trainer.train()` with packing and gradient accumulation (the Trainer's own `get_batch_samples` counts the pairs
+    of each window) logs the losses and reaches the weights of stock TRL trained on ordinary batches of the same pairs:
+    every pair weighs the same although the packed micro-batches hold different numbers of pairs."""
+    dataset = synthetic_pairs(20, (5, 60), (1, 10), seed=15)
+    stock, packed = make_trainers(tmp_path, "llama", dataset, tokenizer, learning_rate=1e-3, num_train_epochs=1,
+                                  gradient_accumulation_steps=2, per_device_train_batch_size=2,
+                                  ours={"prefix_sharing": True, "packing": True})
+    micro = [list(b) for b in packed._get_train_sampler()]
+    assert len({len(b) for b in micro}) > 1 and len(micro) >= 4  # unequal numbers of pairs per micro-batch
+    windows = [micro[i] + micro[i + 1] if i + 1 < len(micro) else micro[i] for i in range(0, len(micro), 2)]
+    packed._get_train_sampler = lambda train_dataset=None: _FixedBatches(micro)
+    stock._get_train_sampler = lambda train_dataset=None: _FixedBatches(windows)
+    stock.args.gradient_accumulation_steps = 1
+    stock.train()
+    packed.train()
+    stock_losses = [log["loss"] for log in stock.state.log_history if "loss" in log]
+    packed_losses = [log["loss"] for log in packed.state.log_history if "loss" in log]
+    assert len(stock_losses) == len(windows) > 1
+    assert packed_losses == pytest.approx(stock_losses, rel=1e-4, abs=1e-6)
+    for (name, expected), got in zip(stock.model.named_parameters(), packed.model.parameters()):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
