@@ -72,6 +72,7 @@ def test_reward_with_yaml_recipe_and_lora(workspace):
     )
     proc = _run([sys.executable, "-m", "trl_prefix_sharing", "reward", "--config", str(recipe), *COMMON], cwd=workspace)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Prefix sharing on 16 examples" in proc.stdout + proc.stderr  # the shared trainer really ran
     from peft import AutoPeftModelForSequenceClassification
 
     assert (out / "adapter_config.json").exists()

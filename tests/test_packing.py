@@ -147,3 +147,14 @@ def test_training_loop_with_accumulation_equals_stock_on_the_same_pairs(tmp_path
     assert packed_losses == pytest.approx(stock_losses, rel=1e-4, abs=1e-6)
     for (name, expected), got in zip(stock.model.named_parameters(), packed.model.parameters()):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_batch_level_loss_types_with_packing_warn(tmp_path, tokenizer):
+    from transformers.testing_utils import CaptureLogger
+
+    import trl_prefix_sharing.dpo_trainer as dpo_module
+
+    with CaptureLogger(dpo_module.logger) as captured:
+        make_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer, loss_type=["sigmoid", "sft"],
+                      ours={"prefix_sharing": True, "packing": True})
+    assert "Loss types ['sft'] look at the whole batch" in captured.out

@@ -22,8 +22,16 @@ def _with_margin(dataset):
     return dataset.add_column("margin", [0.1 * i - 0.2 for i in range(len(dataset))])
 
 
+def _empty_prompts():
+    """Rows with no common prefix at all (empty prompt, completions differing from their first token), and rows
+    over max_length, which the reward trainer drops whole, like stock TRL."""
+    rows = [{"prompt": "", "chosen": "w2 w3", "rejected": "w4"}, {"prompt": "", "chosen": "w5", "rejected": "w6 w7 w8"}]
+    return Dataset.from_list(rows + [dict(row) for row in awkward_text_dataset()])
+
+
 DATA = {
     "awkward_text": lambda: (awkward_text_dataset(), {}),
+    "no_common_prefix_and_max_length": lambda: (_empty_prompts(), {"max_length": 30}),
     "margin_and_centering": lambda: (_with_margin(awkward_text_dataset()), {"center_rewards_coefficient": 0.05}),
     "conversational_multiturn": lambda: (conversational_dataset(), {}),
 }
@@ -204,3 +212,13 @@ def test_ranked_and_pairwise_datasets_cannot_be_mixed(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="train dataset is ranked and the eval dataset is not"):
         RewardTrainer(model=make_reward_model("llama", tokenizer), args=reward_args(tmp_path, {"prefix_sharing": True}),
                       train_dataset=ranked, eval_dataset=pairwise, processing_class=tokenizer)
+
+
+def test_pairs_without_a_common_prefix_are_counted(tmp_path, tokenizer):
+    from trl_prefix_sharing.stats import sharing_stats
+
+    stock, shared = make_reward_trainers(tmp_path, "llama", _empty_prompts(), tokenizer, max_length=30)
+    assert len(shared.train_dataset) == len(stock.train_dataset) < len(_empty_prompts())  # over-long rows dropped
+    stats = sharing_stats(shared.train_dataset, shared.data_collator.unpacked())
+    # the two empty prompts, and "w1": a one-token common prefix saves nothing (that token heads each branch)
+    assert stats.no_shared_prefix == 3 and "3 examples share no prefix" in stats.summary()

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import trl
+from transformers.utils import logging
 
 from .config import DPOConfig
 from .sharing_trainer import PrefixSharingTrainerMixin, check_dataset_columns
 
 __all__ = ["DPOTrainer", "DPO_COLUMNS"]
+
+logger = logging.get_logger(__name__)
+
+#: loss types computed over the whole batch rather than per pair (not pair-normalisable under packing)
+BATCH_LEVEL_LOSS_TYPES = {"aot", "aot_unpaired", "sft"}
 
 #: (accepted column sets, what a dataset needs): checked before TRL's preprocessing
 DPO_COLUMNS = (
@@ -71,6 +77,13 @@ class DPOTrainer(PrefixSharingTrainerMixin, trl.DPOTrainer):
             peft_config=peft_config,
         )
         self._setup_prefix_sharing()
+        batch_level = sorted(set(self.loss_types) & BATCH_LEVEL_LOSS_TYPES)
+        if self.packing and batch_level:
+            logger.warning(
+                f"Loss types {batch_level} look at the whole batch (a rank over the batch, or a mean over its tokens): "
+                "with packing, their batch is the packed micro-batch, whose number of pairs varies, so they differ from "
+                "a stock run with a fixed batch size. The per-pair loss types are exact; or train with packing=False."
+            )
 
     def _precompute_ref_logps(self, dataset, name, batch_size):
         self._setup_prefix_sharing()  # TRL runs this from inside `__init__`
