@@ -64,3 +64,13 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path, se
         assert single[0]["batches"] == [a + b for a, b in zip(double[0]["batches"], double[1]["batches"])]
     for one, two in zip(single[0]["losses"], double[0]["losses"]):
         assert two == pytest.approx(one, rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.parametrize("kind,checkpointing", [("dpo", 1), ("reward", 0)])
+def test_fsdp2_sharded_forward_matches_unsharded_stock(kind, checkpointing):
+    script = Path(__file__).parent / "fsdp_check.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), str(script), "--kind", kind, "--checkpointing", str(checkpointing)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("gradients equal under FSDP2") == 2
