@@ -375,6 +375,23 @@ def write_outputs(results, args, command):
     fig.savefig(os.path.join(args.out, f"{args.mode}_speedup.png"), dpi=120)
 
 
+def quiet_setup(gpu: bool):
+    """Silence progress bars and warnings, check CUDA: (device name, the tiny tokenizer)."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    warnings.filterwarnings("ignore")
+    import datasets
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from trl_prefix_sharing.tiny import make_tokenizer
+
+    datasets.disable_progress_bars()
+    hf_logging.set_verbosity_error()
+    if gpu and not torch.cuda.is_available():
+        raise SystemExit("--mode gpu needs CUDA.")
+    return torch.cuda.get_device_name() if gpu else f"CPU, {torch.get_num_threads()} threads", make_tokenizer()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=["cpu", "gpu"], default="cpu")
@@ -399,20 +416,7 @@ def main():
     args.kinds = args.kinds.split(",")
     command = "python scripts/benchmark.py " + " ".join(sys.argv[1:])
 
-    os.environ.setdefault("TQDM_DISABLE", "1")
-    warnings.filterwarnings("ignore")
-    import datasets
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    from trl_prefix_sharing.tiny import make_tokenizer
-
-    datasets.disable_progress_bars()
-    hf_logging.set_verbosity_error()
-    if gpu and not torch.cuda.is_available():
-        raise SystemExit("--mode gpu needs CUDA.")
-    args.device_name = torch.cuda.get_device_name() if gpu else f"CPU, {torch.get_num_threads()} threads"
-    tokenizer = make_tokenizer()
+    args.device_name, tokenizer = quiet_setup(gpu)
     results = {kind: {} for kind in args.kinds}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in args.kinds:

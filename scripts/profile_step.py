@@ -17,7 +17,6 @@ import os
 import statistics
 import sys
 import time
-import warnings
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -142,22 +141,9 @@ def main():
     args.gradient_checkpointing = False
     command = "python scripts/profile_step.py " + " ".join(sys.argv[1:])
 
-    os.environ.setdefault("TQDM_DISABLE", "1")
-    warnings.filterwarnings("ignore")
     import tempfile
 
-    import datasets
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    from trl_prefix_sharing.tiny import make_tokenizer
-
-    datasets.disable_progress_bars()
-    hf_logging.set_verbosity_error()
-    if gpu and not torch.cuda.is_available():
-        raise SystemExit("--mode gpu needs CUDA.")
-    device = torch.cuda.get_device_name() if gpu else f"CPU, {torch.get_num_threads()} threads"
-    tokenizer = make_tokenizer()
+    device, tokenizer = benchmark.quiet_setup(gpu)
     clock = Clock(gpu)
     lines = [f"# Where the step time goes ({args.mode.upper()})", "",
              f"Device: {device}. Command: `{command}`", "",

@@ -1,7 +1,5 @@
 """Prefix-shared DPO computes stock TRL's numbers: families x data, loss types, reference setups, training loop."""
 
-import copy
-
 import pytest
 import torch
 from equivalence import (
