@@ -91,10 +91,11 @@ def test_loss_types_match_stock(loss_trainers, setting):
     compare_step(*loss_trainers)
 
 
-def test_precompute_ref_log_probs_matches_stock(tmp_path, tokenizer):
+@pytest.mark.parametrize("packing", [False, True])
+def test_precompute_ref_log_probs_matches_stock(tmp_path, tokenizer, packing):
     dataset = synthetic_pairs(10, (1, 30), (1, 6), seed=4)
     stock, shared = make_trainers(tmp_path, "qwen3", dataset, tokenizer, ref_model=None, precompute_ref_log_probs=True,
-                                  precompute_ref_batch_size=3)
+                                  precompute_ref_batch_size=3, ours={"prefix_sharing": True, "packing": packing})
     for column in ("ref_chosen_logps", "ref_rejected_logps"):
         expected = torch.tensor(stock.train_dataset[column])
         assert expected.numel() == 10
