@@ -120,3 +120,20 @@ def test_clear_errors_before_heavy_work(workspace, dataset, model, message):
                 cwd=workspace)
     assert proc.returncode != 0
     assert message in proc.stderr
+
+
+def test_dpo_parquet_dataset_on_two_processes(workspace):
+    """Accelerate's launch flags pass through (`--multi_gpu --num_processes 2` starts two processes; with
+    `--use_cpu true` they train on CPU over gloo), and a local Parquet dataset directory loads offline."""
+    from datasets import load_dataset
+
+    parquet = workspace / "prefs_parquet"
+    load_dataset("json", data_files=str(workspace / "prefs.jsonl"))["train"].to_parquet(str(parquet / "train.parquet"))
+    proc = _run(_console_script() + ["dpo", "--model_name_or_path", str(workspace / "model"), "--dataset_name",
+                                     str(parquet), "--output_dir", str(workspace / "mp_out"), "--prefix_sharing", "true",
+                                     "--packing", "true", "--multi_gpu", "--num_processes", "2", "--log_level", "info",
+                                     *COMMON], cwd=workspace, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    output = proc.stdout + proc.stderr
+    assert "Prefix sharing on 16 examples" in output
+    assert "Total train batch size (w. parallel, distributed & accumulation) = 8" in output  # 2 processes x 4
