@@ -28,8 +28,8 @@ def measured_speedups() -> dict:
 
 def expected_speedup_lines(kind: str, ratio: float, linear_ideal: float) -> list[str]:
     """The expected speedup on a dataset of prompt/completion ratio `ratio`, from the nearest measured profile."""
-    lines = []
-    for mode, record in sorted(measured_speedups().items()):
+    lines, recorded = [], measured_speedups()
+    for mode, record in sorted(recorded.items()):
         profiles = record.get(kind) or {}
         if not profiles:
             continue
@@ -41,7 +41,7 @@ def expected_speedup_lines(kind: str, ratio: float, linear_ideal: float) -> list
                      f"{near['sharing']:.2f}x, sharing+packing {near['sharing+packing']:.2f}x over stock)")
     if not lines:
         lines.append("    no benchmark recorded for this trainer (run scripts/benchmark.py --record)")
-    if "gpu" not in measured_speedups():
+    if "gpu" not in recorded:
         lines.append("    GPU: no benchmark recorded yet (scripts/benchmark.py --mode gpu --record on a CUDA machine)")
     return lines
 
