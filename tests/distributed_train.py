@@ -43,7 +43,7 @@ class ReplayRanks(_TrainerMultipackSampler):
         return len(self._plan()[0])
 
 
-def make_trainer(args, tokenizer, dataset):
+def make_trainer(args, tokenizer, dataset, eval_dataset=None):
     common = dict(output_dir=os.path.join(args.out, "run"), per_device_train_batch_size=args.batch_size,
                   num_train_epochs=1, bf16=False, use_cpu=True, report_to="none", logging_steps=1,
                   save_strategy="no", seed=0, prefix_sharing=bool(args.prefix_sharing), packing=bool(args.packing),
@@ -52,14 +52,14 @@ def make_trainer(args, tokenizer, dataset):
         model = make_model("qwen2", len(tokenizer), seed=0)
         ref = make_model("qwen2", len(tokenizer), seed=1)
         return DPOTrainer(model=model, ref_model=ref, args=DPOConfig(**common), train_dataset=dataset,
-                          processing_class=tokenizer)
+                          eval_dataset=eval_dataset, processing_class=tokenizer)
     from transformers import AutoModelForSequenceClassification
 
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_config(make_config("llama", len(tokenizer), num_labels=1),
                                                            attn_implementation="sdpa", dtype=torch.float32)
     return RewardTrainer(model=model, args=RewardConfig(**common, center_rewards_coefficient=0.01),
-                         train_dataset=dataset, processing_class=tokenizer)
+                         train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tokenizer)
 
 
 def main():
@@ -71,12 +71,19 @@ def main():
     parser.add_argument("--batch_size", type=int, default=3)
     parser.add_argument("--grad_accum", type=int, default=2)
     parser.add_argument("--replay_ranks", type=int, default=0)
+    parser.add_argument("--evaluate", type=int, default=0, help="evaluate on a held-out set instead of training")
     args = parser.parse_args()
     datasets.disable_progress_bars()
     torch.set_num_threads(1)
     tokenizer = make_tokenizer()
     dataset = synthetic_pairs(36, (1, 80), (1, 12), seed=21)
-    trainer = make_trainer(args, tokenizer, dataset)
+    eval_dataset = synthetic_pairs(13, (1, 60), (1, 12), seed=22) if args.evaluate else None
+    trainer = make_trainer(args, tokenizer, dataset, eval_dataset)
+    if args.evaluate:
+        metrics = trainer.evaluate()
+        with open(os.path.join(args.out, f"rank{trainer.args.process_index}.json"), "w") as f:
+            json.dump({"world": trainer.args.world_size, "metrics": metrics}, f)
+        return
     if args.replay_ranks:
         replay = ReplayRanks(trainer._unit_lengths(trainer.train_dataset), trainer._resolve_packing_length(),
                              num_replicas=args.replay_ranks, rank=0, seed=trainer.args.seed, shuffle=True)

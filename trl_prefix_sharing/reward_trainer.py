@@ -114,7 +114,24 @@ class RewardTrainer(PrefixSharingTrainerMixin, trl.RewardTrainer):
     def _base_compute_loss(self, model, inputs, return_outputs, num_items_in_batch):
         if "group_sizes" in inputs:  # ranked batch: all pairs of each example from one forward
             return self._ranked_compute_loss(model, inputs, return_outputs)
-        return super()._base_compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if not (self.packing and self.accelerator.num_processes > 1):
+            return super()._base_compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        # TRL averages the ranks' accuracy and margin means, which weighs pairs unequally when packed ranks hold
+        # different numbers of pairs: replace them by the means over all pairs of the step
+        loss, outputs = super()._base_compute_loss(model, inputs, True, num_items_in_batch)
+        mode = "train" if self.model.training else "eval"
+        chosen, rejected = outputs.logits.detach().squeeze(-1).chunk(2)
+        accuracy, margin = self._pooled_pair_metrics(chosen, rejected)
+        self._metrics[mode]["accuracy"][-1] = accuracy
+        self._metrics[mode]["margin"][-1] = margin
+        return (loss, outputs) if return_outputs else loss
+
+    def _pooled_pair_metrics(self, chosen, rejected) -> tuple[float, float]:
+        """Accuracy and margin over every pair of every rank (stock TRL's values when ranks hold equal numbers)."""
+        with torch.no_grad():
+            accuracy = self.accelerator.gather((chosen > rejected).float()).mean().item()
+            margin = self.accelerator.gather(chosen - rejected).mean().item()
+        return accuracy, margin
 
     def _ranked_compute_loss(self, model, inputs, return_outputs=False):
         mode = "train" if self.model.training else "eval"
@@ -133,8 +150,7 @@ class RewardTrainer(PrefixSharingTrainerMixin, trl.RewardTrainer):
             self._metrics[mode]["min_reward"].append(expanded.min().item())
             self._metrics[mode]["mean_reward"].append(expanded.mean().item())
             self._metrics[mode]["max_reward"].append(expanded.max().item())
-            accuracy = self.accelerator.gather_for_metrics((chosen > rejected).float().mean()).mean().item()
+            accuracy, margin = self._pooled_pair_metrics(chosen, rejected)
             self._metrics[mode]["accuracy"].append(accuracy)
-            margin = self.accelerator.gather_for_metrics((chosen - rejected).mean()).mean().item()
             self._metrics[mode]["margin"].append(margin)
         return (loss, outputs) if return_outputs else loss

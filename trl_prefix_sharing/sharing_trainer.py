@@ -14,7 +14,7 @@ from transformers.utils import logging
 
 from .attention import AttentionSwitch, build_attention_mask, check_supported_model, resolve_attn_implementation
 from .collator import PrefixSharingCollator, unit_lengths
-from .distributed import variable_size_gathers
+from .distributed import gather_variable, variable_size_gathers
 from .forward import install_prefix_sharing_forward, remove_prefix_sharing_forward, unwrap_model
 from .sampler import MultipackSampler
 from .stats import sharing_stats
@@ -285,6 +285,18 @@ class PrefixSharingTrainerMixin:
             # of pairs, so repeat its mean once per pair: `eval_loss` is then the per-pair mean over the dataset.
             loss = loss.reshape(1).repeat(self._pairs_in(inputs))
         return loss, logits, labels
+
+    def evaluation_loop(self, *args, **kwargs):
+        if not (self.packing and self.accelerator.num_processes > 1):
+            return super().evaluation_loop(*args, **kwargs)
+        # packed eval batches hold different numbers of pairs on each rank: the loop's gathers of per-pair losses (and
+        # logits) need per-rank sizes, or the collective fails (gloo) or hangs
+        gather_function = self.gather_function
+        self.gather_function = lambda data: gather_variable(self.accelerator.gather, data)
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            self.gather_function = gather_function
 
     def log(self, logs, start_time=None):
         mode = "train" if self.model.training else "eval"
