@@ -17,13 +17,19 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _failure(proc) -> str:
+    """What a failed torchrun says: the children's error lines (anywhere in stderr) and the end of it."""
+    lines = [line for line in proc.stderr.splitlines() if "what()" in line or "Error" in line or "enforce" in line]
+    return "\n".join(lines[:20]) + "\n...\n" + proc.stderr[-2000:]
+
+
 def _launch(out, processes, *args):
     script = Path(__file__).parent / "distributed_train.py"
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr",
            "127.0.0.1", "--master_port", str(_free_port()), str(script), "--out", str(out), *map(str, args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, _failure(proc)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(processes)]
 
 
@@ -72,7 +78,7 @@ def test_fsdp2_sharded_forward_matches_unsharded_stock(kind, checkpointing):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), str(script), "--kind", kind, "--checkpointing", str(checkpointing)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, _failure(proc)
     assert proc.stdout.count("gradients equal under FSDP2") == 2
 
 
