@@ -9,6 +9,7 @@ whose loss is the plain mean over those pairs."""
 import argparse
 import json
 import os
+import sys
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -41,6 +42,19 @@ class ReplayRanks(_TrainerMultipackSampler):
 
     def __len__(self):
         return len(self._plan()[0])
+
+
+def finish() -> None:
+    """End the child right after its results are written: every rank passes a barrier, then exits without running
+    interpreter-exit destructors. At exit, c10d/gloo teardown sometimes aborted a child ("terminate called without an
+    active exception", SIGABRT) after all its work was done, failing a test for nothing of ours."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def make_trainer(args, tokenizer, dataset, eval_dataset=None):
@@ -83,7 +97,7 @@ def main():
         metrics = trainer.evaluate()
         with open(os.path.join(args.out, f"rank{trainer.args.process_index}.json"), "w") as f:
             json.dump({"world": trainer.args.world_size, "metrics": metrics}, f)
-        return
+        finish()
     if args.replay_ranks:
         replay = ReplayRanks(trainer._unit_lengths(trainer.train_dataset), trainer._resolve_packing_length(),
                              num_replicas=args.replay_ranks, rank=0, seed=trainer.args.seed, shuffle=True)
@@ -99,6 +113,7 @@ def main():
         json.dump({"rank": rank, "world": trainer.args.world_size, "batches": batches, "len": len(loader),
                    "steps": counter.steps, "losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
                    "pairs_per_batch": [len(b) for b in batches]}, f)
+    finish()
 
 
 if __name__ == "__main__":
