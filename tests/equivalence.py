@@ -219,3 +219,13 @@ def assert_same_reward_step(stock, shared, compare_rewards=True, atol=1e-5, rtol
     for name, grad in stock["grads"].items():
         torch.testing.assert_close(shared["grads"][name], grad, atol=atol, rtol=rtol,
                                    msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+def leaky_dpo_mask(document_ids, branch_ids, position_ids=None, window=None):
+    """A deliberately wrong `dpo_mask`: causal within the document, but forgets `prefix_or_same_branch`, so the
+    rejected completion sees the chosen one. Patched in to show the equivalence tests fail with a wrong mask."""
+    from torch.nn.attention.flex_attention import and_masks
+
+    from trl_prefix_sharing.mask import causal, same_document
+
+    return and_masks(causal, same_document(document_ids))

@@ -7,12 +7,12 @@ from equivalence import (
     awkward_text_dataset,
     compare_step,
     conversational_dataset,
+    leaky_dpo_mask,
     make_trainers,
     step,
 )
 
 import trl_prefix_sharing.attention as attention_module
-from trl_prefix_sharing.mask import causal, same_document
 from trl_prefix_sharing.tiny import FAMILIES, synthetic_pairs
 
 DATA = {
@@ -44,12 +44,7 @@ def test_wrong_mask_fails(tmp_path, tokenizer, monkeypatch):
     stock, shared = make_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer)
     compare_step(stock, shared)  # the real mask passes
 
-    def leaky_mask(document_ids, branch_ids, position_ids=None, window=None):
-        from torch.nn.attention.flex_attention import and_masks
-
-        return and_masks(causal, same_document(document_ids))  # forgets prefix_or_same_branch
-
-    monkeypatch.setattr(attention_module, "dpo_mask", leaky_mask)
+    monkeypatch.setattr(attention_module, "dpo_mask", leaky_dpo_mask)
     with pytest.raises(AssertionError):
         compare_step(stock, shared)
 

@@ -158,3 +158,23 @@ def test_batch_level_loss_types_with_packing_warn(tmp_path, tokenizer):
         make_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer, loss_type=["sigmoid", "sft"],
                       ours={"prefix_sharing": True, "packing": True})
     assert "Loss types ['sft'] look at the whole batch" in captured.out
+
+
+def test_mask_that_forgets_documents_fails(tmp_path, tokenizer, monkeypatch):
+    """A packed row whose mask lets a token see another example (no `same_document`) must break the comparison."""
+    from torch.nn.attention.flex_attention import and_masks
+
+    import trl_prefix_sharing.attention as attention_module
+    from trl_prefix_sharing.mask import causal, prefix_or_same_branch
+
+    stock, packed = make_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer,
+                                  ours={"prefix_sharing": True, "packing": True, "packing_length": 512})
+    packed.data_collator.packing_row_length = None  # all examples in one row
+    examples = [row for row in stock.train_dataset]
+    stock_result = step(stock, examples)
+    assert_same_step(stock_result, step(packed, examples))  # the real mask passes
+    monkeypatch.setattr(attention_module, "dpo_mask",
+                        lambda document_ids, branch_ids, position_ids=None, window=None: and_masks(
+                            causal, prefix_or_same_branch(branch_ids)))
+    with pytest.raises(AssertionError):
+        assert_same_step(stock_result, step(packed, examples))

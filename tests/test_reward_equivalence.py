@@ -7,13 +7,13 @@ from equivalence import (
     assert_same_reward_step,
     awkward_text_dataset,
     conversational_dataset,
+    leaky_dpo_mask,
     make_reward_model,
     make_reward_trainers,
     reward_step,
 )
 
 import trl_prefix_sharing.attention as attention_module
-from trl_prefix_sharing.mask import causal, same_document
 from trl_prefix_sharing.ranked import expand_ranked_to_pairs
 from trl_prefix_sharing.tiny import FAMILIES, synthetic_pairs
 
@@ -60,12 +60,7 @@ def test_reward_wrong_mask_fails(tmp_path, tokenizer, monkeypatch):
     stock, shared = make_reward_trainers(tmp_path, "qwen2", awkward_text_dataset(), tokenizer)
     _compare(stock, shared)
 
-    def leaky_mask(document_ids, branch_ids, position_ids=None, window=None):
-        from torch.nn.attention.flex_attention import and_masks
-
-        return and_masks(causal, same_document(document_ids))
-
-    monkeypatch.setattr(attention_module, "dpo_mask", leaky_mask)
+    monkeypatch.setattr(attention_module, "dpo_mask", leaky_dpo_mask)
     with pytest.raises(AssertionError):
         _compare(stock, shared)
 
