@@ -217,3 +217,21 @@ def test_pairs_without_a_common_prefix_are_counted(tmp_path, tokenizer):
     stats = sharing_stats(shared.train_dataset, shared.data_collator.unpacked())
     # the two empty prompts, and "w1": a one-token common prefix saves nothing (that token heads each branch)
     assert stats.no_shared_prefix == 3 and "3 examples share no prefix" in stats.summary()
+
+
+def test_reward_evaluate_with_packing_equals_stock_per_pair_means(tmp_path, tokenizer):
+    train = synthetic_pairs(8, (1, 30), (1, 6), seed=12)
+    evaluation = synthetic_pairs(11, (1, 40), (1, 8), seed=13)
+    # stock evaluates all 11 pairs in one batch: its metrics are the per-pair means of the dataset
+    stock, packed = make_reward_trainers(tmp_path, "llama", train, tokenizer, eval_dataset=evaluation,
+                                         per_device_eval_batch_size=16,
+                                         ours={"prefix_sharing": True, "packing": True, "packing_length": 128})
+    assert len(packed.get_eval_dataloader()) > 2  # several packed batches with different numbers of pairs
+    stock_metrics, packed_metrics = stock.evaluate(), packed.evaluate()
+    compared = 0
+    for key, value in stock_metrics.items():
+        if any(s in key for s in ("runtime", "per_second", "preparation_time", "min_reward", "max_reward")):
+            continue  # timings; batch extremes averaged over batches depend on the batching, in stock TRL too
+        assert packed_metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+        compared += 1
+    assert compared >= 4
