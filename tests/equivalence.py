@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 
+import pytest
 import torch
 import trl
 from datasets import Dataset
@@ -229,3 +230,19 @@ def leaky_dpo_mask(document_ids, branch_ids, position_ids=None, window=None):
     from trl_prefix_sharing.mask import causal, same_document
 
     return and_masks(causal, same_document(document_ids))
+
+
+#: evaluation metrics that are not per-pair means: timings, and batch extremes averaged over batches (they depend on
+#: how the pairs are batched, in stock TRL too)
+NOT_PER_PAIR_METRICS = ("runtime", "per_second", "preparation_time", "min_reward", "max_reward")
+
+
+def assert_same_eval_metrics(expected: dict, got: dict, rel=1e-4, abs=1e-5) -> None:
+    """Every per-pair-mean evaluation metric of `expected` equals `got`'s; at least four of them compared."""
+    compared = 0
+    for key, value in expected.items():
+        if any(skip in key for skip in NOT_PER_PAIR_METRICS):
+            continue
+        assert got[key] == pytest.approx(value, rel=rel, abs=abs), key
+        compared += 1
+    assert compared >= 4
