@@ -1,12 +1,14 @@
-"""Prefix sharing for TRL's DPO and reward trainers: compute each prompt once, get stock TRL's numbers."""
+"""Prefix sharing for TRL's DPO, reward, GRPO and RLOO trainers: compute each prompt once, get stock TRL's numbers."""
 
 from .attention import SUPPORTED_MODEL_TYPES
 from .collator import PrefixSharingCollator
-from .config import DPOConfig, RewardConfig
+from .config import DPOConfig, GRPOConfig, RewardConfig, RLOOConfig
 from .dpo_trainer import DPOTrainer
+from .grpo_trainer import GRPOTrainer
 from .layout import build_shared_batch
 from .mask import dense_mask, dpo_mask
 from .reward_trainer import RewardTrainer
+from .rloo_trainer import RLOOTrainer
 from .sampler import MultipackSampler
 
 __version__ = "0.1.0"
@@ -14,8 +16,12 @@ __version__ = "0.1.0"
 __all__ = [
     "DPOConfig",
     "DPOTrainer",
+    "GRPOConfig",
+    "GRPOTrainer",
     "RewardConfig",
     "RewardTrainer",
+    "RLOOConfig",
+    "RLOOTrainer",
     "MultipackSampler",
     "PrefixSharingCollator",
     "SUPPORTED_MODEL_TYPES",

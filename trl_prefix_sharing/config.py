@@ -1,4 +1,5 @@
-"""Configurations: TRL's `DPOConfig` and `RewardConfig`, plus the prefix-sharing and packing fields."""
+"""Configurations: TRL's `DPOConfig` and `RewardConfig` plus the prefix-sharing and packing fields; TRL's `GRPOConfig`
+and `RLOOConfig` plus the prefix-sharing fields."""
 
 from __future__ import annotations
 
@@ -8,20 +9,23 @@ import trl
 
 from .attention import ATTN_IMPLEMENTATIONS
 
-_FIELDS_DOC = """
-    > Parameters that control prefix sharing and packing
+_SHARING_DOC = """
+    > Parameters that control prefix sharing
 
     prefix_sharing (`bool`, *optional*, defaults to `False`):
-        Put the completions of each example after one copy of their prompt, `[prompt | chosen | rejected]`, so the
-        prompt is computed once; a mask keeps the completions from seeing each other and position ids make every
-        number the one stock TRL computes. Supported for Llama, Mistral, Qwen2 and Qwen3 models, text and
-        conversational datasets.
+        Put the completions of each prompt after one copy of it (`[prompt | chosen | rejected]`, or a group's
+        generations `[prompt | completion 1 | ... | completion G]`), so the prompt is computed once; a mask keeps the
+        completions from seeing each other and position ids make every number the one stock TRL computes. Text and
+        conversational datasets; see the README for the supported model families.
     prefix_sharing_attn_implementation (`str`, *optional*, defaults to `"auto"`):
         Attention that applies the prefix-sharing mask: `"flex_attention"` (block-sparse FlexAttention, CUDA),
         `"sdpa"` (the same mask, dense, through `scaled_dot_product_attention`; any device), or `"auto"`
         (FlexAttention on CUDA, SDPA elsewhere). The trainer switches the attention implementation of the models it
         holds (undone by `trainer.remove_prefix_sharing()`); no custom attention name is registered, so saved configs
         are unaffected.
+"""
+
+_PACKING_DOC = """
     packing (`bool`, *optional*, defaults to `False`):
         Pack several examples into one row with a multipack first-fit-decreasing sampler, removing padding. Each
         example is one document of the row (no token sees another example). Works with and without
@@ -33,16 +37,19 @@ _FIELDS_DOC = """
         rounded up to a multiple of 128. Rows are padded to exactly this length so FlexAttention shapes stay fixed.
 """
 
+_FIELDS_DOC = _SHARING_DOC + _PACKING_DOC
+
 
 @dataclass
 class PrefixSharingArguments:
-    """The fields this package adds to TRL's configs (documented in `DPOConfig` and `RewardConfig`)."""
+    """The prefix-sharing fields this package adds to TRL's configs (documented in each config's docstring)."""
 
     prefix_sharing: bool = field(
         default=False,
         metadata={
-            "help": "Compute each prompt once: put [prompt | chosen | rejected] in one sequence with a mask that keeps "
-            "the completions apart. Every logged number equals stock TRL's."
+            "help": "Compute each prompt once: put a prompt and its completions ([prompt | chosen | rejected], or a "
+            "group's generations) in one sequence with a mask that keeps the completions apart. Every logged number "
+            "equals stock TRL's."
         },
     )
     prefix_sharing_attn_implementation: str = field(
@@ -53,6 +60,18 @@ class PrefixSharingArguments:
             "choices": list(ATTN_IMPLEMENTATIONS),
         },
     )
+    def _check_prefix_sharing_arguments(self) -> None:
+        if self.prefix_sharing_attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(
+                f"`prefix_sharing_attn_implementation` must be one of {ATTN_IMPLEMENTATIONS}, got "
+                f"{self.prefix_sharing_attn_implementation!r}."
+            )
+
+
+@dataclass
+class PackingArguments(PrefixSharingArguments):
+    """Prefix sharing plus the packing fields (preference trainers: DPO and reward models)."""
+
     packing: bool = field(
         default=False,
         metadata={
@@ -69,11 +88,7 @@ class PrefixSharingArguments:
     )
 
     def _check_prefix_sharing_arguments(self) -> None:
-        if self.prefix_sharing_attn_implementation not in ATTN_IMPLEMENTATIONS:
-            raise ValueError(
-                f"`prefix_sharing_attn_implementation` must be one of {ATTN_IMPLEMENTATIONS}, got "
-                f"{self.prefix_sharing_attn_implementation!r}."
-            )
+        super()._check_prefix_sharing_arguments()
         if (self.prefix_sharing or self.packing) and getattr(self, "padding_free", False):
             raise ValueError(
                 "`prefix_sharing`/`packing` cannot be combined with `padding_free=True`: both rewrite the batch layout, "
@@ -84,7 +99,7 @@ class PrefixSharingArguments:
 
 
 @dataclass
-class DPOConfig(trl.DPOConfig, PrefixSharingArguments):
+class DPOConfig(trl.DPOConfig, PackingArguments):
     __doc__ = (
         "Configuration class for [`trl_prefix_sharing.DPOTrainer`]: every parameter of [`trl.DPOConfig`], plus the "
         "ones below. With `prefix_sharing=False` and `packing=False` training is exactly TRL's.\n" + _FIELDS_DOC
@@ -96,10 +111,37 @@ class DPOConfig(trl.DPOConfig, PrefixSharingArguments):
 
 
 @dataclass
-class RewardConfig(trl.RewardConfig, PrefixSharingArguments):
+class RewardConfig(trl.RewardConfig, PackingArguments):
     __doc__ = (
         "Configuration class for [`trl_prefix_sharing.RewardTrainer`]: every parameter of [`trl.RewardConfig`], plus "
         "the ones below. With `prefix_sharing=False` and `packing=False` training is exactly TRL's.\n" + _FIELDS_DOC
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._check_prefix_sharing_arguments()
+
+
+@dataclass
+class GRPOConfig(trl.GRPOConfig, PrefixSharingArguments):
+    __doc__ = (
+        "Configuration class for [`trl_prefix_sharing.GRPOTrainer`]: every parameter of [`trl.GRPOConfig`], plus the "
+        "ones below. With `prefix_sharing=False` training is exactly TRL's. With it, each prompt's generations are "
+        "scored in one sequence `[prompt | completion 1 | ... | completion G]`, in the training forward and in the "
+        "old-policy and reference passes.\n" + _SHARING_DOC
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._check_prefix_sharing_arguments()
+
+
+@dataclass
+class RLOOConfig(trl.RLOOConfig, PrefixSharingArguments):
+    __doc__ = (
+        "Configuration class for [`trl_prefix_sharing.RLOOTrainer`]: every parameter of [`trl.RLOOConfig`], plus the "
+        "ones below. With `prefix_sharing=False` training is exactly TRL's. With it, each prompt's generations are "
+        "scored in one sequence `[prompt | completion 1 | ... | completion G]`.\n" + _SHARING_DOC
     )
 
     def __post_init__(self):

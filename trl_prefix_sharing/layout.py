@@ -16,6 +16,10 @@ stock rows. Rows with nothing in common still work (an empty prefix: K separate 
 The layout is built from the *stock collator's own tensors*, so the tokens scored are exactly the ones stock TRL
 scores. ``stock_index`` maps every stock position to its place in the shared rows; everything computed on the shared
 rows (log-probs, rewards) is gathered back through it.
+
+A token's position id is its column in the stock row, which is what the model gives it when no position ids are
+passed. Right-padded rows (TRL's DPO and reward collators) start at column 0; left-padded prompts (GRPO, RLOO, online
+DPO: ``[pad pad p0 p1 | c0 c1 pad]``) keep the positions of their pads, exactly as stock computes them.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["build_shared_batch", "common_prefix_length", "shared_labels", "gather_to_stock"]
+__all__ = ["build_shared_batch", "common_prefix_length", "shared_labels", "gather_to_stock", "groups_by_prefix"]
 
 
 def common_prefix_length(rows: Sequence[Sequence]) -> int:
@@ -53,7 +57,8 @@ def build_shared_batch(
     """Lay out stock rows as prefix-shared documents.
 
     Args:
-        input_ids, attention_mask: stock ``[R, L]`` right-padded tensors (as TRL's collators build them).
+        input_ids, attention_mask: stock ``[R, L]`` padded tensors (right-padded as TRL's collators build them, or
+            left-padded prompts as generation builds them).
         groups: for each document, the stock row indices that share a prompt (e.g. ``[i, B + i]`` for DPO).
         completion_mask: stock ``[R, L]`` completion mask; the shared prefix never mixes prompt and completion.
         rows: which documents go in which shared row (packing); default one document per row.
@@ -68,10 +73,7 @@ def build_shared_batch(
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError("`input_ids` and `attention_mask` must be [rows, length] tensors of the same shape.")
     num_stock_rows, stock_len = input_ids.shape
-    lengths = attention_mask.sum(dim=1).tolist()
-    right_padded = torch.arange(stock_len, device=attention_mask.device) < attention_mask.sum(dim=1, keepdim=True)
-    if not torch.equal(attention_mask.bool(), right_padded):
-        raise ValueError("Prefix sharing needs right-padded stock rows (attention_mask of 1s then 0s).")
+    lengths, starts = _token_runs(attention_mask)
     ids_list = input_ids.tolist()
     cm_list = completion_mask.tolist() if completion_mask is not None else None
 
@@ -82,15 +84,16 @@ def build_shared_batch(
             if not 0 <= r < num_stock_rows or seen[r]:
                 raise ValueError(f"Stock row {r} is out of range or in two groups.")
             seen[r] = True
-        keyed = []
+        keyed = []  # (token, position[, completion mask]) of each row's tokens: equal keys mean equal hidden states
         for r in group:
-            n = lengths[r]
-            keyed.append(list(zip(ids_list[r][:n], cm_list[r][:n])) if cm_list is not None else ids_list[r][:n])
+            columns = range(starts[r], starts[r] + lengths[r])
+            keyed.append([(ids_list[r][c], c, cm_list[r][c]) if cm_list is not None else (ids_list[r][c], c)
+                          for c in columns])
         m = common_prefix_length(keyed)
         s = max(m - 1, 0)  # the last common token heads every branch
-        first = ids_list[group[0]]
-        tokens = list(first[:s])
-        positions = list(range(s))
+        first, start0 = ids_list[group[0]], starts[group[0]]
+        tokens = list(first[start0 : start0 + s])
+        positions = list(range(start0, start0 + s))
         branches = [0] * s
         offsets = {}
         branch = 0
@@ -99,11 +102,11 @@ def build_shared_batch(
             if twin is not None:  # identical to an earlier row: the same positions (bitwise equal, as in stock)
                 offsets[r] = offsets[twin]
                 continue
-            n = lengths[r]
+            n, first_column = lengths[r], starts[r]
             start = len(tokens)
             branch += 1
-            tokens.extend(ids_list[r][s:n])
-            positions.extend(range(s, n))
+            tokens.extend(ids_list[r][first_column + s : first_column + n])
+            positions.extend(range(first_column + s, first_column + n))
             branches.extend([branch] * (n - s))
             offsets[r] = list(range(min(s, n))) + list(range(start, start + max(n - s, 0)))
         docs.append((tokens, positions, branches, offsets))
@@ -143,7 +146,7 @@ def build_shared_batch(
             base = i * width + cursor
             for r, offs in offsets.items():
                 if offs:
-                    stock_index[r, : len(offs)] = base + torch.tensor(offs, dtype=torch.long)
+                    stock_index[r, starts[r] : starts[r] + len(offs)] = base + torch.tensor(offs, dtype=torch.long)
             cursor += n
     # Padding queries see earlier padding only: never a real token, and never an empty row (no NaN in softmax).
     return {
@@ -153,6 +156,32 @@ def build_shared_batch(
         "branch_ids": out_branch,
         "stock_index": stock_index,
     }
+
+
+def _token_runs(attention_mask: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(length, first column) of each row's tokens, which must be one run: right padding, left padding, or both."""
+    lengths = attention_mask.sum(dim=1)
+    starts = torch.where(lengths > 0, attention_mask.int().argmax(dim=1), torch.zeros_like(lengths))
+    columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    one_run = (columns >= starts[:, None]) & (columns < (starts + lengths)[:, None])
+    if not torch.equal(attention_mask.bool(), one_run):
+        raise ValueError("Prefix sharing needs each stock row's tokens in one run (padding only before or after them), "
+                         "as TRL's collators and generation build them; this attention_mask has holes.")
+    return lengths.tolist(), starts.tolist()
+
+
+def groups_by_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix_length: int) -> list[list[int]]:
+    """Rows whose first ``prefix_length`` columns (tokens and mask) are equal, in order of first appearance.
+
+    For generated batches (``[left-padded prompt | completion]``): the generations of one prompt. Rows with equal
+    prompt columns compute equal prompt hidden states, so sharing them is exact even when two groups came from
+    duplicate prompts.
+    """
+    keys = torch.cat([input_ids[:, :prefix_length], attention_mask[:, :prefix_length]], dim=1).tolist()
+    groups: dict[tuple, list[int]] = {}
+    for row, key in enumerate(keys):
+        groups.setdefault(tuple(key), []).append(row)
+    return list(groups.values())
 
 
 def shared_labels(layout: dict[str, torch.Tensor], stock_labels: torch.Tensor) -> torch.Tensor:

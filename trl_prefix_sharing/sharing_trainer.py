@@ -12,12 +12,13 @@ from datasets import Dataset, IterableDataset
 from transformers.trainer_pt_utils import BatchRebalanceSampler
 from transformers.utils import logging
 
-from .attention import AttentionSwitch, build_attention_mask, check_supported_model, resolve_attn_implementation
+from .attention import build_attention_mask
 from .collator import PrefixSharingCollator, unit_lengths
 from .distributed import gather_variable, variable_size_gathers
-from .forward import install_prefix_sharing_forward, remove_prefix_sharing_forward, unwrap_model
+from .forward import unwrap_model
 from .sampler import MultipackSampler
 from .stats import sharing_stats
+from .trainer_setup import SharingSetupMixin
 from .validation import validate_preference_rows
 
 logger = logging.get_logger(__name__)
@@ -58,7 +59,7 @@ def check_dataset_columns(dataset, name: str, accepted: tuple[set[str], ...], de
     validate_preference_rows(dataset, name)
 
 
-class PrefixSharingTrainerMixin:
+class PrefixSharingTrainerMixin(SharingSetupMixin):
     """Shared machinery; see the module docstring. Subclasses call `_init_prefix_sharing_state()` before TRL's
     `__init__` and `_setup_prefix_sharing()` after it."""
 
@@ -66,8 +67,8 @@ class PrefixSharingTrainerMixin:
     _token_weighted_metrics: dict[str, str] = {}
 
     def _init_prefix_sharing_state(self) -> None:
+        self._init_sharing_setup()
         self._prefix_sharing_ready = False
-        self._attention_switch = AttentionSwitch()
         self._sharing_logged = False
         self._total_shared_tokens = 0
         self._pairs_in_window = None
@@ -77,10 +78,6 @@ class PrefixSharingTrainerMixin:
 
     # ----------------------------------------------------------------------------------------------- options
     @property
-    def prefix_sharing(self) -> bool:
-        return bool(getattr(self.args, "prefix_sharing", False))
-
-    @property
     def packing(self) -> bool:
         return bool(getattr(self.args, "packing", False))
 
@@ -89,49 +86,12 @@ class PrefixSharingTrainerMixin:
         """Prefix sharing and packing both run the model on rows built by `PrefixSharingCollator`."""
         return self.prefix_sharing or self.packing
 
-    @staticmethod
-    def _check_model_and_processor(model, args, processing_class, peft_config) -> None:
-        from transformers import ProcessorMixin
-
-        if isinstance(processing_class, ProcessorMixin):
-            raise ValueError(
-                "Prefix sharing does not support vision-language models (a processor was passed). Train them with "
-                "`prefix_sharing=False`."
-            )
-        if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
-            raise ValueError(
-                f"Prefix sharing does not support prompt-learning PEFT ({type(peft_config).__name__}): its virtual "
-                "tokens are prepended to every row and would be shared differently. Use LoRA-style adapters or "
-                "`prefix_sharing=False`."
-            )
-        if isinstance(model, str):
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(model, trust_remote_code=args.trust_remote_code)
-        else:
-            config = model.config
-        check_supported_model(config)
-
     # ----------------------------------------------------------------------------------------------- set-up
-    def _layout_models(self) -> list:
-        models = [unwrap_model(self.model)]
-        if getattr(self, "ref_model", None) is not None:
-            models.append(unwrap_model(self.ref_model))
-        return models
-
     def _setup_prefix_sharing(self) -> None:
         """Wrap the collator and the models' forwards, switch attention. Idempotent."""
         if self._prefix_sharing_ready or not self._uses_layout:
             return
-        if getattr(getattr(self.model, "active_peft_config", None), "is_prompt_learning", False):
-            raise ValueError("Prefix sharing does not support prompt-learning PEFT adapters.")
-        self._attn_implementation = resolve_attn_implementation(
-            self.args.prefix_sharing_attn_implementation, self.accelerator.device
-        )
-        for model in self._layout_models():
-            check_supported_model(model.config)
-            self._attention_switch.apply(model, self._attn_implementation)
-            install_prefix_sharing_forward(model)
+        self._patch_models()
         if not isinstance(self.data_collator, PrefixSharingCollator):
             self.data_collator = PrefixSharingCollator(
                 self.data_collator,
@@ -151,9 +111,7 @@ class PrefixSharingTrainerMixin:
     def remove_prefix_sharing(self) -> None:
         """Undo the patches on the models (forward wrap and attention switch) and the collator wrap; the trainer then
         trains as stock TRL."""
-        for model in self._layout_models():
-            remove_prefix_sharing_forward(model)
-        self._attention_switch.restore()
+        self._unpatch_models()
         if isinstance(self.data_collator, PrefixSharingCollator):
             self.data_collator = self.data_collator.base_collator
         self._prefix_sharing_ready = False

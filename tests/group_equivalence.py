@@ -1,0 +1,102 @@
+"""Helpers that run stock TRL's GRPO/RLOO and the prefix-shared trainers side by side from the same saved model."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import torch
+import trl
+from datasets import Dataset
+
+from trl_prefix_sharing import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+from trl_prefix_sharing.tiny import make_model
+
+_counter = itertools.count()
+TRAINERS = {"grpo": (trl.GRPOTrainer, trl.GRPOConfig, GRPOTrainer, GRPOConfig),
+            "rloo": (trl.RLOOTrainer, trl.RLOOConfig, RLOOTrainer, RLOOConfig)}
+#: logged values that are not numbers of the training (wall-clock time)
+UNCOMPARED = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos"}
+
+
+def prompt_dataset(n=8, seed=0, conversational=False) -> Dataset:
+    """Prompts of very unequal lengths (one word to forty), so left padding varies a lot within a batch."""
+    rng = random.Random(seed)
+    lengths = [1, 40, 3, 17, 1, 8, 25, 2] * (n // 8 + 1)
+    rows = []
+    for length in lengths[:n]:
+        text = " ".join(f"w{rng.randrange(200)}" for _ in range(length))
+        rows.append({"prompt": [{"role": "user", "content": text}] if conversational else text})
+    return Dataset.from_list(rows)
+
+
+def reward_length(completions, **kwargs):
+    return [len(c if isinstance(c, str) else c[0]["content"]) / 10 for c in completions]
+
+
+def reward_digits(completions, **kwargs):
+    return [float(sum(ch.isdigit() for ch in (c if isinstance(c, str) else c[0]["content"]))) for c in completions]
+
+
+def save_model(directory, family, tokenizer, seed=0, **config_kwargs) -> str:
+    """A tiny model of `family` saved with the tokenizer (GRPO reloads the reference from the path when `beta > 0`)."""
+    path = str(directory / family)
+    make_model(family, len(tokenizer), seed=seed, **config_kwargs).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def group_args(config_cls, tmp_path, ours: bool, **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path / f"run{next(_counter)}"),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=6,
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        max_steps=2,
+        learning_rate=1e-3,
+    )
+    kwargs.update(overrides)
+    return config_cls(**kwargs, **({"prefix_sharing": True} if ours else {}))
+
+
+def make_group_trainer(kind, ours, model, dataset, tokenizer, tmp_path, peft_config=None, **overrides):
+    stock_cls, stock_config, our_cls, our_config = TRAINERS[kind]
+    cls, config = (our_cls, our_config) if ours else (stock_cls, stock_config)
+    return cls(model=model, reward_funcs=[reward_length, reward_digits],
+               args=group_args(config, tmp_path, ours, **overrides), train_dataset=dataset,
+               processing_class=tokenizer, peft_config=peft_config)
+
+
+def train(trainer):
+    """Train; the per-step logs and the final trainable parameters."""
+    torch.manual_seed(0)
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    return logs, params
+
+
+def assert_same_runs(stock, shared, keys=None, atol=1e-5, rtol=1e-4):
+    """Every logged number of every step (or only `keys`), and the final trainable parameters, equal."""
+    (stock_logs, stock_params), (shared_logs, shared_params) = stock, shared
+    assert len(stock_logs) == len(shared_logs) > 0
+    compared = 0
+    for step, (a, b) in enumerate(zip(stock_logs, shared_logs)):
+        for key, value in a.items():
+            if key in UNCOMPARED or (keys is not None and key not in keys) or not isinstance(value, (int, float)):
+                continue
+            assert key in b, f"step {step}: {key} not logged with prefix sharing"
+            torch.testing.assert_close(torch.tensor(float(b[key])), torch.tensor(float(value)), atol=atol, rtol=rtol,
+                                       msg=lambda m, key=key, step=step: f"step {step}, {key}: {m}")
+            compared += 1
+    assert compared >= len(stock_logs) * (len(keys) if keys is not None else 10)
+    assert stock_params.keys() == shared_params.keys() and stock_params
+    for name, value in stock_params.items():
+        assert value.numel() > 0
+        torch.testing.assert_close(shared_params[name], value, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")

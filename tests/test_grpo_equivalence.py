@@ -1,0 +1,186 @@
+"""GRPO and RLOO with prefix sharing compute stock TRL's numbers: log-probs and gradients of crafted batches, and whole
+training runs (same sampled completions, every logged metric per step, final weights)."""
+
+import pytest
+import torch
+import trl
+from group_equivalence import (
+    assert_same_runs,
+    make_group_trainer,
+    prompt_dataset,
+    save_model,
+    train,
+)
+
+import trl_prefix_sharing.attention as attention_module
+from trl_prefix_sharing import GRPOConfig, GRPOTrainer
+from trl_prefix_sharing.group_sharing import shared_group_layout, shuffle_keeping_groups
+from trl_prefix_sharing.tiny import FAMILIES
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory, tokenizer):
+    directory = tmp_path_factory.mktemp("models")
+    return {family: save_model(directory, family, tokenizer) for family in FAMILIES}
+
+
+# ----------------------------------------------------------------------------------------------- crafted batches
+def crafted_batch(tokenizer):
+    """Generated rows as GRPO builds them: left-padded prompts, right-padded completions. Two prompts with four and
+    three generations (one prompt's rows not adjacent), a one-token prompt, identical completions, a completion whose
+    mask is all zero (`mask_truncated_completions`), completions sharing their first tokens, a lone row."""
+    pad = tokenizer.pad_token_id
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    prompts = {"a": ids("w1 w2 w3 w4 w5"), "b": ids("w9"), "c": ids("w10 w11 w12 w13 w14 w15 w16 w17 w18 w19 w20 w21")}
+    rows = [("a", "w30 w31 w32 <eos>"), ("a", "w33 <eos>"), ("b", "w40 w41 w42 w43 w44 <eos>"),
+            ("a", "w30 w31 w32 <eos>"), ("c", "w50 w51 w52"), ("b", ""), ("a", "w30 w31 w35 w36 w37 <eos>"),
+            ("c", "w50 w51 w60 <eos>"), ("b", "w40 <eos>")]
+    prompt_length = max(len(p) for p in prompts.values())
+    completion_length = max(len(ids(c)) for _, c in rows)
+    input_ids, attention_mask = [], []
+    for prompt, completion in rows:
+        p, c = prompts[prompt], ids(completion)
+        input_ids.append([pad] * (prompt_length - len(p)) + p + c + [pad] * (completion_length - len(c)))
+        attention_mask.append([0] * (prompt_length - len(p)) + [1] * (len(p) + len(c)) + [0] * (completion_length - len(c)))
+    return torch.tensor(input_ids), torch.tensor(attention_mask), completion_length
+
+
+def logps_and_grads(trainer, input_ids, attention_mask, logits_to_keep):
+    """Per-token log-probs and entropies of the rows, and the gradients of a weighted sum of the log-probs."""
+    trainer.model.zero_grad(set_to_none=True)
+    logps, entropies, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask,
+                                                                    logits_to_keep, batch_size=5, compute_entropy=True)
+    mask = attention_mask[:, -logits_to_keep:].float()
+    weights = torch.linspace(-1, 1, mask.numel()).view_as(mask)
+    (logps * mask * weights).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return logps.detach() * mask, entropies.detach() * mask, grads
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_crafted_batch_log_probs_and_gradients_match_stock(tmp_path, tokenizer, model_dirs, family):
+    input_ids, attention_mask, keep = crafted_batch(tokenizer)
+    stock, shared = (make_group_trainer("grpo", ours, model_dirs[family], prompt_dataset(), tokenizer, tmp_path)
+                     for ours in (False, True))
+    expected, got = (logps_and_grads(t, input_ids, attention_mask, keep) for t in (stock, shared))
+    assert expected[0].abs().sum() > 0 and expected[2]
+    torch.testing.assert_close(got[0], expected[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], expected[1], atol=1e-5, rtol=1e-5)
+    assert got[2].keys() == expected[2].keys()
+    for name, grad in expected[2].items():
+        torch.testing.assert_close(got[2][name], grad, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+    # identical completions of one prompt: bitwise identical log-probs (they read the same shared positions)
+    assert torch.equal(got[0][0], got[0][3])
+    # the shared rows are shorter: each prompt once per chunk of 5 rows
+    layout = shared_group_layout(input_ids[:5], attention_mask[:5], input_ids.shape[1] - keep, 0)
+    assert (layout["document_ids"] >= 0).sum() < attention_mask[:5].sum()
+
+
+def test_wrong_mask_fails(tmp_path, tokenizer, model_dirs, monkeypatch):
+    from equivalence import leaky_dpo_mask
+
+    input_ids, attention_mask, keep = crafted_batch(tokenizer)
+    stock, shared = (make_group_trainer("grpo", ours, model_dirs["llama"], prompt_dataset(), tokenizer, tmp_path)
+                     for ours in (False, True))
+    expected = logps_and_grads(stock, input_ids, attention_mask, keep)[0]
+    monkeypatch.setattr(attention_module, "dpo_mask", leaky_dpo_mask)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(logps_and_grads(shared, input_ids, attention_mask, keep)[0], expected)
+
+
+def test_shuffle_keeps_groups_and_the_random_stream(tokenizer):
+    input_ids, attention_mask, keep = crafted_batch(tokenizer)
+    batch = {"prompt_ids": input_ids[:, :-keep], "prompt_mask": attention_mask[:, :-keep],
+             "completion_ids": input_ids[:, -keep:], "advantages": torch.arange(9.0), "num_items_in_batch":
+             torch.tensor(7), "names": list("abcdefghi"), "images": None}
+    torch.manual_seed(3)
+    shuffled = shuffle_keeping_groups(batch)
+    after_ours = torch.rand(4)
+    torch.manual_seed(3)
+    trl.trainer.utils.shuffle_sequence_dict(batch)
+    assert torch.equal(after_ours, torch.rand(4))  # same random stream: later generations are stock's
+    order = shuffled["advantages"].long().tolist()
+    assert sorted(order) == list(range(9)) and shuffled["names"] == [batch["names"][i] for i in order]
+    assert shuffled["num_items_in_batch"] == 7 and shuffled["images"] is None
+    prompts = [tuple(shuffled["prompt_ids"][i].tolist()) for i in range(9)]
+    runs = [p for i, p in enumerate(prompts) if i == 0 or p != prompts[i - 1]]
+    assert len(runs) == len(set(runs)) == 3  # each prompt's rows are contiguous
+
+
+# ----------------------------------------------------------------------------------------------- training runs
+def run_pair(kind, tmp_path, model, tokenizer, dataset=None, peft_config=None, **overrides):
+    import copy
+
+    dataset = dataset if dataset is not None else prompt_dataset()
+    return [train(make_group_trainer(kind, ours, model, dataset, tokenizer, tmp_path,
+                                     peft_config=copy.deepcopy(peft_config), **overrides)) for ours in (False, True)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_grpo_training_matches_stock(tmp_path, tokenizer, model_dirs, family):
+    """Default loss (`dapo`), one micro-batch per generation: every logged number and the final weights."""
+    stock, shared = run_pair("grpo", tmp_path, model_dirs[family], tokenizer)
+    assert_same_runs(stock, shared)
+    assert shared[0][-1]["num_shared_tokens"] < sum(log["num_tokens"] for log in stock[0][-1:])
+
+
+@pytest.mark.parametrize("setting", [
+    {"loss_type": "grpo"},
+    {"beta": 0.1},
+    {"num_iterations": 2, "beta": 0.1, "loss_type": "bnpo"},
+    {"conversational": True, "beta": 0.05},
+    {"mask_truncated_completions": True, "max_completion_length": 3, "scale_rewards": "batch"},
+], ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+def test_grpo_options_match_stock(tmp_path, tokenizer, model_dirs, setting):
+    setting = dict(setting)
+    dataset = prompt_dataset(conversational=setting.pop("conversational", False))
+    stock, shared = run_pair("grpo", tmp_path, model_dirs["qwen3"], tokenizer, dataset=dataset, **setting)
+    assert_same_runs(stock, shared)
+
+
+def test_rloo_with_reference_matches_stock(tmp_path, tokenizer, model_dirs):
+    stock, shared = run_pair("rloo", tmp_path, model_dirs["mistral"], tokenizer, beta=0.1, num_iterations=2)
+    assert_same_runs(stock, shared)
+
+
+def test_lora_matches_stock(tmp_path, tokenizer, model_dirs):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    stock, shared = run_pair("grpo", tmp_path, model_dirs["llama"], tokenizer, peft_config=lora, beta=0.1,
+                             learning_rate=1e-2)
+    assert_same_runs(stock, shared)
+
+
+ACCUMULATION = dict(gradient_accumulation_steps=2, steps_per_generation=2, per_device_train_batch_size=4, max_steps=2)
+
+
+def test_accumulation_matches_stock_with_the_same_micro_batches(tmp_path, tokenizer, model_dirs, monkeypatch):
+    """`gradient_accumulation_steps = steps_per_generation = 2`: stock TRL given the group-keeping shuffle logs every
+    number ours does, per-micro-batch metrics included."""
+    monkeypatch.setattr(trl.trainer.grpo_trainer, "shuffle_sequence_dict", shuffle_keeping_groups)
+    stock, shared = run_pair("grpo", tmp_path, model_dirs["llama"], tokenizer, beta=0.1, **ACCUMULATION)
+    assert_same_runs(stock, shared)
+
+
+def test_accumulation_matches_plain_stock_where_micro_batches_cannot_matter(tmp_path, tokenizer, model_dirs):
+    """Against TRL's own row shuffle, the token-normalised `dapo` loss (a sum over the whole generation batch), the
+    gradient, the samples and rewards, and the final weights are the same; per-micro-batch means (entropy, kl, clip
+    ratios) are averaged over other micro-batches, so they are not compared."""
+    stock, shared = run_pair("grpo", tmp_path, model_dirs["llama"], tokenizer, **ACCUMULATION)
+    keys = {"loss", "grad_norm", "num_tokens", "reward", "reward_std", "completions/mean_length",
+            "rewards/reward_length/mean", "rewards/reward_digits/mean"}
+    assert_same_runs(stock, shared, keys=keys)
+
+
+def test_unsupported_model_is_refused_before_training(tmp_path, tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", prefix_sharing=True)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_layer=1, n_embd=16, n_head=2))
+    with pytest.raises(ValueError, match="gpt2"):
+        GRPOTrainer(model=gpt2, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], args=args,
+                    train_dataset=prompt_dataset(), processing_class=tokenizer)
