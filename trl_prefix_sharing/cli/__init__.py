@@ -1,12 +1,13 @@
-"""The `trl-prefix-sharing` command line: TRL's `trl dpo` / `trl reward` workflow with this package's trainers.
+"""The `trl-prefix-sharing` command line: TRL's `trl dpo|reward|grpo|rloo` workflow with this package's trainers.
 
     trl-prefix-sharing dpo --model_name_or_path ... --dataset_name ... --prefix_sharing true --packing true
     trl-prefix-sharing reward --config recipe.yaml
+    trl-prefix-sharing grpo --model_name_or_path ... --dataset_name ... --reward_funcs ... --prefix_sharing true
     trl-prefix-sharing stats --dataset_name ... --model_name_or_path ...
     trl-prefix-sharing demo
     python -m trl_prefix_sharing dpo ...
 
-`dpo` and `reward` take TRL's arguments (the same `TrlParser` over `ScriptArguments`, the config, `ModelConfig` and
+`dpo`, `reward`, `grpo` and `rloo` take TRL's arguments (the same `TrlParser` over `ScriptArguments`, the config, `ModelConfig` and
 `DatasetMixtureConfig`, YAML `--config` files, PEFT/quantization flags) plus this package's fields, and are launched
 through `accelerate launch` exactly as TRL launches its scripts (`--accelerate_config zero3`, `--num_processes`, ...).
 """
@@ -17,10 +18,12 @@ import sys
 
 __all__ = ["main"]
 
-USAGE = """usage: trl-prefix-sharing {dpo,reward,stats,demo} [args]
+USAGE = """usage: trl-prefix-sharing {dpo,reward,grpo,rloo,stats,demo} [args]
 
   dpo      DPO training (TRL's `trl dpo` arguments + prefix_sharing, packing, ...), launched with accelerate
   reward   reward-model training (TRL's `trl reward` arguments + the same), launched with accelerate
+  grpo     GRPO training (TRL's `trl grpo` arguments, reward functions included, + prefix_sharing)
+  rloo     RLOO training (TRL's `trl rloo` arguments + prefix_sharing)
   stats    does prefix sharing pay on this dataset? (loads the tokenizer only)
   demo     stock TRL vs prefix sharing on the shipped demo dataset (CPU, offline)
 
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
-    if command in ("dpo", "reward"):
+    if command in ("dpo", "reward", "grpo", "rloo"):
         return launch(command, rest)
     if command == "stats":
         from .stats import main as stats_main

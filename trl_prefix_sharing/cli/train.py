@@ -1,5 +1,5 @@
-"""The training scripts behind `trl-prefix-sharing dpo` and `reward`: TRL's scripts with this package's trainers and
-configs, plus offline-friendly dataset loading (a local JSON/JSONL/Parquet file or directory) and early errors."""
+"""The training scripts behind `trl-prefix-sharing dpo|reward|grpo|rloo`: TRL's scripts with this package's trainers
+and configs, plus offline-friendly dataset loading (a local JSON/JSONL/Parquet file or directory) and early errors."""
 
 from __future__ import annotations
 
@@ -12,11 +12,43 @@ _LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".c
 def make_parser(command: str, prog: str | None = None):
     """TRL's parser structure (`trl.scripts.dpo.make_parser`) with this package's config for `command`."""
     from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
+    from trl.scripts.grpo import GRPOScriptArguments
+    from trl.scripts.rloo import RLOOScriptArguments
 
-    from ..config import DPOConfig, RewardConfig
+    from ..config import DPOConfig, GRPOConfig, RewardConfig, RLOOConfig
 
-    config = {"dpo": DPOConfig, "reward": RewardConfig}[command]
-    return TrlParser((ScriptArguments, config, ModelConfig, DatasetMixtureConfig), prog=prog)
+    script_args, config = {"dpo": (ScriptArguments, DPOConfig), "reward": (ScriptArguments, RewardConfig),
+                           "grpo": (GRPOScriptArguments, GRPOConfig), "rloo": (RLOOScriptArguments, RLOOConfig)}[command]
+    return TrlParser((script_args, config, ModelConfig, DatasetMixtureConfig), prog=prog)
+
+
+def load_reward_funcs(script_args) -> list:
+    """TRL's `trl grpo`/`trl rloo` rule: a reward model path, then named reward functions or dotted import paths."""
+    import importlib
+    import sys
+
+    from trl.rewards import accuracy_reward, get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward
+
+    registry = {
+        "accuracy_reward": accuracy_reward,
+        "reasoning_accuracy_reward": reasoning_accuracy_reward,
+        "think_format_reward": think_format_reward,
+        "get_soft_overlong_punishment": get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256),
+    }
+    reward_funcs = [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
+    for name in script_args.reward_funcs or []:
+        if name in registry:
+            reward_funcs.append(registry[name])
+        elif "." in name:
+            module_path, function = name.rsplit(".", 1)
+            sys.path.insert(0, os.getcwd())
+            reward_funcs.append(getattr(importlib.import_module(module_path), function))
+        else:
+            raise ValueError(f"Could not load reward function {name!r}. Expected one of {list(registry)} or a "
+                             "dotted import path (e.g. 'my_lib.rewards.custom_reward').")
+    if not reward_funcs:
+        raise ValueError("GRPO and RLOO need a reward: `--reward_funcs` and/or `--reward_model_name_or_path`.")
+    return reward_funcs
 
 
 def load_script_dataset(script_args, dataset_args):
@@ -55,7 +87,9 @@ def main(command: str, script_args, training_args, model_args, dataset_args) -> 
     from trl import get_peft_config, get_quantization_config
 
     from ..dpo_trainer import DPOTrainer
+    from ..grpo_trainer import GRPOTrainer
     from ..reward_trainer import RewardTrainer
+    from ..rloo_trainer import RLOOTrainer
 
     check_model_path(model_args.model_name_or_path)
     model_init_kwargs = dict(
@@ -78,9 +112,11 @@ def main(command: str, script_args, training_args, model_args, dataset_args) -> 
                              "set `--dataset_test_split` or `--eval_strategy no`.")
         eval_dataset = dataset[script_args.dataset_test_split]
 
-    trainer_cls = {"dpo": DPOTrainer, "reward": RewardTrainer}[command]
+    trainer_cls = {"dpo": DPOTrainer, "reward": RewardTrainer, "grpo": GRPOTrainer, "rloo": RLOOTrainer}[command]
+    rewards = {"reward_funcs": load_reward_funcs(script_args)} if command in ("grpo", "rloo") else {}
     trainer = trainer_cls(
         model=model_args.model_name_or_path,
+        **rewards,
         args=training_args,
         train_dataset=dataset[script_args.dataset_train_split],
         eval_dataset=eval_dataset,
@@ -119,7 +155,7 @@ def release_distributed_wrappers(trainer) -> None:
 
 
 def run_script(command: str) -> None:
-    """Entry point of the launched scripts (`cli/dpo.py`, `cli/reward.py`)."""
+    """Entry point of the launched scripts (`cli/dpo.py`, `cli/reward.py`, `cli/grpo.py`, `cli/rloo.py`)."""
     parser = make_parser(command)
     script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(fail_with_unknown_args=False)
     main(command, script_args, training_args, model_args, dataset_args)
