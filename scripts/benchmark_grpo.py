@@ -1,0 +1,243 @@
+"""Stock TRL's GRPO vs prefix-shared GRPO: training-step time, its share of the ideal, activation memory.
+
+    python scripts/benchmark_grpo.py --out docs/benchmarks        # CPU, ~10 minutes on 2 cores
+
+For each profile (median prompt and completion lengths with prompt/completion ratios of about 0.3, 1, 4 and 16) and
+group size G, prompts and their G completions get lognormal lengths around the medians, and a generation batch is built
+exactly as TRL's `_generate_and_score_completions` returns it (left-padded prompts, right-padded completions, masks,
+advantages, `num_items_in_batch`). The same micro-batches go through both trainers' training step (TRL's
+`compute_loss` and backward; `--beta > 0` adds the reference pass, as TRL computes it before the step). Timed repeats
+of the variants are interleaved (rotating order) and the median taken: ratios from one run, since the machine is
+noisy. Generation (the model's own `generate` of the same lengths, which prefix sharing does not change) is timed once
+per profile to report the speedup with generation included. The ideal is the ratio of positions the model runs,
+stock / shared, measured on the batches: `G(P+C) / (P+GC)` for equal lengths. Writes `grpo_cpu.md` and `grpo_cpu.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark import ActivationMeter, build_model, quiet_setup  # noqa: E402
+
+# median (prompt, completion) tokens: reasoning (long answers), chat, QA, long-context QA
+PROFILES = {"math-reasoning": (128, 384), "chat": (256, 256), "qa": (1024, 256), "long-context-qa": (2048, 128)}
+
+
+def lognormal(rng, median, sigma=0.4):
+    return max(1, min(3 * median, round(median * rng.lognormvariate(0, sigma))))
+
+
+def generation_batch(profile, groups, g, scale, vocab, pad, eos, seed, device):
+    """Rows of `groups` prompts x `g` generations, as TRL's generation step returns them."""
+    import torch
+    from trl.trainer.utils import pad as pad_tensors
+
+    rng = random.Random(seed)
+    p_median, c_median = (max(1, round(n * scale)) for n in PROFILES[profile])
+    prompts, completions = [], []
+    for _ in range(groups):
+        prompt = [rng.randrange(8, vocab) for _ in range(lognormal(rng, p_median))]
+        for _ in range(g):
+            prompts.append(prompt)
+            completions.append([rng.randrange(8, vocab) for _ in range(lognormal(rng, c_median) - 1)] + [eos])
+    prompt_ids = pad_tensors([torch.tensor(p) for p in prompts], padding_value=pad, padding_side="left")
+    prompt_mask = pad_tensors([torch.ones(len(p), dtype=torch.long) for p in prompts], padding_value=0,
+                              padding_side="left")
+    completion_ids = pad_tensors([torch.tensor(c) for c in completions], padding_value=pad, padding_side="right")
+    completion_mask = pad_tensors([torch.ones(len(c), dtype=torch.long) for c in completions], padding_value=0,
+                                  padding_side="right")
+    advantages = torch.tensor([rng.gauss(0, 1) for _ in prompts])
+    return {"prompt_ids": prompt_ids.to(device), "prompt_mask": prompt_mask.to(device),
+            "completion_ids": completion_ids.to(device), "completion_mask": completion_mask.to(device),
+            "advantages": advantages.to(device), "num_items_in_batch": completion_mask.sum().to(device)}
+
+
+def micro_batches(batch, rows):
+    from trl.trainer.utils import split_tensor_dict
+
+    return split_tensor_dict(batch, batch["prompt_ids"].shape[0] // rows)
+
+
+def make_trainer(variant, model, tokenizer, args, tmp):
+    from datasets import Dataset
+    from trl.trainer.utils import add_fused_lm_head
+
+    from trl_prefix_sharing import GRPOConfig, GRPOTrainer
+
+    config = GRPOConfig(output_dir=os.path.join(tmp, variant), per_device_train_batch_size=args.rows,
+                        num_generations=args.num_generations, bf16=args.mode == "gpu", use_cpu=args.mode == "cpu",
+                        report_to="none", gradient_checkpointing=args.gradient_checkpointing,
+                        prefix_sharing=variant == "sharing")
+    trainer = GRPOTrainer(model=copy.deepcopy(model), reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                          args=config, train_dataset=Dataset.from_list([{"prompt": "w1"}] * 8),
+                          processing_class=tokenizer)
+    if args.beta:  # an in-memory reference model (TRL would reload one from the model's path)
+        trainer.beta = args.beta
+        trainer.ref_model = copy.deepcopy(model).eval()
+        add_fused_lm_head(trainer.ref_model)
+        if variant == "sharing":
+            trainer._patch_models()
+    trainer.current_gradient_accumulation_steps = 1  # set by the Trainer's loop, which this step does not run
+    trainer.meter = ActivationMeter(trainer)
+    return trainer
+
+
+def training_step(trainer, batches, cuda):
+    """Reference pass (when `beta > 0`), then the loss and backward of every micro-batch; wall time."""
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    trainer.model.train()
+    for batch in batches:
+        if trainer.beta:
+            with torch.no_grad():
+                ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+                mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+                batch["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
+                    trainer.ref_model, ids, mask, batch["completion_ids"].shape[1])[0]
+        trainer.compute_loss(trainer.model, batch).backward()
+    trainer.model.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def generation_time(model, batch, cuda):
+    """The model's own `generate` of the batch's completion length (identical in both trainers)."""
+    import torch
+
+    model = model.eval()
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"], do_sample=True,
+                       max_new_tokens=batch["completion_ids"].shape[1], min_new_tokens=batch["completion_ids"].shape[1],
+                       pad_token_id=0)
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def run(profile, g, model, tokenizer, args, tmp):
+    import torch
+
+    args.num_generations, args.rows = g, args.groups_per_step * g
+    cuda = args.mode == "gpu"
+    device = "cuda" if cuda else "cpu"
+    batch = generation_batch(profile, args.groups_per_step * args.micro_batches, g, args.length_scale, len(tokenizer),
+                             tokenizer.pad_token_id, tokenizer.eos_token_id, seed=hash((profile, g)) % 1000,
+                             device=device)
+    batches = micro_batches(batch, args.rows)
+    trainers = {variant: make_trainer(variant, model, tokenizer, args, tmp) for variant in ("stock", "sharing")}
+    for trainer in trainers.values():
+        training_step(trainer, batches, cuda)  # warm-up
+    times = {variant: [] for variant in trainers}
+    order = list(trainers)
+    for repeat in range(args.repeats):
+        for variant in order[repeat % 2:] + order[: repeat % 2]:
+            times[variant].append(training_step(trainers[variant], batches, cuda))
+    stock_positions = int(torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1).sum())
+    from trl_prefix_sharing.group_sharing import shared_group_layout
+
+    shared_positions = 0
+    for b in batches:
+        ids = torch.cat([b["prompt_ids"], b["completion_ids"]], dim=1)
+        mask = torch.cat([b["prompt_mask"], b["completion_mask"]], dim=1)
+        shared_positions += int((shared_group_layout(ids, mask, b["prompt_ids"].shape[1], 0)["document_ids"] >= 0).sum())
+    step = {variant: statistics.median(t) for variant, t in times.items()}
+    generate = generation_time(copy.deepcopy(model), batch, cuda)
+    ideal = stock_positions / shared_positions
+    speedup = step["stock"] / step["sharing"]
+    prompt_tokens = int(batch["prompt_mask"].sum()) / batch["prompt_mask"].shape[0]
+    completion_tokens = int(batch["completion_mask"].sum()) / batch["completion_mask"].shape[0]
+    return {
+        "profile": profile, "G": g, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+        "p_over_c": prompt_tokens / completion_tokens, "stock_positions": stock_positions,
+        "shared_positions": shared_positions, "ideal": ideal, "step_s": step, "step_times_s": times,
+        "speedup": speedup, "share_of_ideal": speedup / ideal, "generation_s": generate,
+        "speedup_with_generation": (generate + step["stock"]) / (generate + step["sharing"]),
+        "activation_bytes": {v: t.meter.peak for v, t in trainers.items()},
+        "activation_ratio": trainers["sharing"].meter.peak / trainers["stock"].meter.peak,
+    }
+
+
+def write(results, args, device, command):
+    import torch
+    import transformers
+    import trl
+
+    os.makedirs(args.out, exist_ok=True)
+    meta = {"device": device, "command": command, "torch": torch.__version__, "transformers": transformers.__version__,
+            "trl": trl.__version__, "model": f"{args.family}, hidden {args.hidden_size}, {args.layers} layers",
+            "length_scale": args.length_scale, "beta": args.beta, "groups_per_micro_batch": args.groups_per_step,
+            "micro_batches": args.micro_batches, "repeats": args.repeats}
+    name = f"grpo_{args.mode}"
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    lines = [
+        f"# GRPO: stock TRL vs prefix sharing ({args.mode.upper()})", "",
+        f"Made by `{command}` ({device}; torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"trl {trl.__version__}; {meta['model']}; lengths x {args.length_scale}; {args.groups_per_step} prompts x G "
+        f"generations per micro-batch, {args.micro_batches} micro-batches per step; beta={args.beta}; median of "
+        f"{args.repeats} interleaved repeats).", "",
+        "Training step = TRL's `compute_loss` + backward over every micro-batch of one generation batch (plus the "
+        "reference pass when beta > 0). *Ideal* = stock positions / shared positions on these batches, "
+        "`G(P+C)/(P+GC)` for equal lengths. Generation (the same in both) is timed once with the model's `generate`.",
+        "",
+        "| profile | G | prompt | completion | p/c | ideal | step speedup | share of ideal | with generation | "
+        "activation memory, sharing / stock |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(f"| {r['profile']} | {r['G']} | {r['prompt_tokens']:.0f} | {r['completion_tokens']:.0f} | "
+                     f"{r['p_over_c']:.2f} | {r['ideal']:.2f}x | {r['speedup']:.2f}x | {r['share_of_ideal']:.2f} | "
+                     f"{r['speedup_with_generation']:.2f}x | {r['activation_ratio']:.2f} |")
+    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", choices=["cpu", "gpu"], default="cpu")
+    parser.add_argument("--profiles", default=",".join(PROFILES))
+    parser.add_argument("--generations", default="4,8", help="group sizes G")
+    parser.add_argument("--groups-per-step", type=int, default=2, help="prompts per micro-batch")
+    parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per generation batch")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--length-scale", type=float, default=None, help="default 0.25 on CPU, 1 on GPU")
+    parser.add_argument("--beta", type=float, default=0.0, help="> 0 adds the reference pass (TRL's default is 0)")
+    parser.add_argument("--family", default="llama")
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--out", default="docs/benchmarks")
+    args = parser.parse_args()
+    args.length_scale = args.length_scale or (0.25 if args.mode == "cpu" else 1.0)
+    command = "python scripts/benchmark_grpo.py " + " ".join(sys.argv[1:])
+    device, tokenizer = quiet_setup(args.mode == "gpu")
+    model = build_model("grpo", tokenizer, args)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for profile in args.profiles.split(","):
+            for g in map(int, args.generations.split(",")):
+                result = run(profile, g, model, tokenizer, args, tmp)
+                print(f"{profile} G={g}: ideal {result['ideal']:.2f}x, step {result['speedup']:.2f}x "
+                      f"({result['share_of_ideal']:.2f} of ideal), activations x{result['activation_ratio']:.2f}",
+                      flush=True)
+                results.append(result)
+    write(results, args, device, command.strip())
+
+
+if __name__ == "__main__":
+    main()
