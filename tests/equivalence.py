@@ -222,14 +222,17 @@ def assert_same_reward_step(stock, shared, compare_rewards=True, atol=1e-5, rtol
                                    msg=lambda m, name=name: f"grad {name}: {m}")
 
 
-def leaky_dpo_mask(document_ids, branch_ids, position_ids=None, window=None):
+def leaky_dpo_mask(document_ids, branch_ids, position_ids=None, window=None, key_visible=None):
     """A deliberately wrong `dpo_mask`: causal within the document, but forgets `prefix_or_same_branch`, so the
     rejected completion sees the chosen one. Patched in to show the equivalence tests fail with a wrong mask."""
     from torch.nn.attention.flex_attention import and_masks
 
-    from trl_prefix_sharing.mask import causal, same_document
+    from trl_prefix_sharing.mask import causal, same_document, visible_key
 
-    return and_masks(causal, same_document(document_ids))
+    mods = [causal, same_document(document_ids)]
+    if key_visible is not None:  # only the branch rule is wrong
+        mods.append(visible_key(key_visible))
+    return and_masks(*mods)
 
 
 #: evaluation metrics that are not per-pair means: timings, and batch extremes averaged over batches (they depend on

@@ -1,4 +1,4 @@
-"""Prefix sharing for TRL's DPO, reward, GRPO and RLOO trainers: compute each prompt once, get stock TRL's numbers."""
+"""Prefix sharing for TRL's DPO, reward, GRPO, RLOO and online DPO trainers: compute each prompt once, get stock TRL's numbers."""
 
 from .attention import SUPPORTED_MODEL_TYPES
 from .collator import PrefixSharingCollator
@@ -7,6 +7,7 @@ from .dpo_trainer import DPOTrainer
 from .grpo_trainer import GRPOTrainer
 from .layout import build_shared_batch
 from .mask import dense_mask, dpo_mask
+from .online_dpo_trainer import OnlineDPOConfig, OnlineDPOTrainer
 from .reward_trainer import RewardTrainer
 from .rloo_trainer import RLOOTrainer
 from .sampler import MultipackSampler
@@ -22,6 +23,8 @@ __all__ = [
     "RewardTrainer",
     "RLOOConfig",
     "RLOOTrainer",
+    "OnlineDPOConfig",
+    "OnlineDPOTrainer",
     "MultipackSampler",
     "PrefixSharingCollator",
     "SUPPORTED_MODEL_TYPES",

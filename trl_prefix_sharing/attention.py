@@ -119,7 +119,7 @@ def build_attention_mask(layout: dict[str, torch.Tensor], attn_implementation: s
     n, s = document_ids.shape
 
     def make(window):
-        mask_mod = dpo_mask(document_ids, branch_ids, position_ids, window)
+        mask_mod = dpo_mask(document_ids, branch_ids, position_ids, window, layout.get("key_visible"))
         if attn_implementation == "flex_attention":
             return block_mask(mask_mod, n, s, s, device=document_ids.device)
         if attn_implementation == "sdpa":

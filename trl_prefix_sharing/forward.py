@@ -40,7 +40,9 @@ def check_layout_matches(layout: dict, input_ids: torch.Tensor, attention_mask: 
     """Refuse a layout that does not hold exactly the stock batch's tokens (e.g. a collator that changed the batch)."""
     index = layout["stock_index"]
     real = index >= 0
-    if index.shape != input_ids.shape or (attention_mask is not None and not torch.equal(real, attention_mask.bool())):
+    if attention_mask is not None:  # the stock tokens, and the padding after them where the layout scores it
+        attention_mask = attention_mask.cumsum(dim=1) > 0 if "key_visible" in layout else attention_mask.bool()
+    if index.shape != input_ids.shape or (attention_mask is not None and not torch.equal(real, attention_mask)):
         raise RuntimeError(
             "Prefix-sharing layout does not match the stock batch (shape or padding differ). The layout must be built "
             "by PrefixSharingCollator from the same batch; a custom data collator has to emit right-padded "

@@ -37,14 +37,15 @@ _MULTIMODAL_ARGUMENTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_
 
 
 def shared_group_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, pad_token_id: int,
-                        pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:
+                        pad_to_multiple_of: int | None = None, score_padding: bool = False) -> dict[str, torch.Tensor]:
     """The shared layout of generated rows ``[prompt (prompt_length columns) | completion]``: one document per group of
-    rows with equal prompt columns, on the rows' device."""
+    rows with equal prompt columns, on the rows' device (``score_padding``: see `build_shared_batch`)."""
     groups = groups_by_prefix(input_ids, attention_mask, prompt_length)
     completion_mask = attention_mask.clone()
     completion_mask[:, :prompt_length] = 0  # a shared prefix never mixes prompt and completion tokens
     layout = build_shared_batch(input_ids, attention_mask, groups, completion_mask=completion_mask,
-                                pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
+                                pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of,
+                                score_padding=score_padding)
     return {name: tensor.to(input_ids.device) for name, tensor in layout.items()}
 
 

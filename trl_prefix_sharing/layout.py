@@ -53,6 +53,7 @@ def build_shared_batch(
     pad_token_id: int = 0,
     pad_to_multiple_of: int | None = None,
     row_length: int | None = None,
+    score_padding: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Lay out stock rows as prefix-shared documents.
 
@@ -65,10 +66,14 @@ def build_shared_batch(
         pad_token_id: token used for padding the shared rows.
         pad_to_multiple_of: round the shared row length up to a multiple of this.
         row_length: fixed shared row length (packing); an error if a row does not fit.
+        score_padding: also lay out the padding after each row's tokens, as stock computes it when a trainer scores
+            it (online DPO's statistics do): a padding query sees its row's tokens and no key sees padding. Those
+            positions join the row's branch, and ``key_visible`` (False for them) is returned for the mask.
 
     Returns:
         ``input_ids``, ``position_ids``, ``document_ids`` (-1 = padding), ``branch_ids`` (0 = prefix) of shape
-        ``[N, S]``, and ``stock_index`` ``[R, L]``: the flat index (into ``N * S``) of every stock token, -1 for padding.
+        ``[N, S]`` (and ``key_visible`` with ``score_padding``), and ``stock_index`` ``[R, L]``: the flat index (into
+        ``N * S``) of every stock token, -1 for padding.
     """
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError("`input_ids` and `attention_mask` must be [rows, length] tensors of the same shape.")
@@ -95,6 +100,7 @@ def build_shared_batch(
         tokens = list(first[start0 : start0 + s])
         positions = list(range(start0, start0 + s))
         branches = [0] * s
+        visible = [True] * s
         offsets = {}
         branch = 0
         for key, r in zip(keyed, group):
@@ -103,13 +109,15 @@ def build_shared_batch(
                 offsets[r] = offsets[twin]
                 continue
             n, first_column = lengths[r], starts[r]
+            end = stock_len if score_padding else first_column + n  # the row's tokens (and its trailing padding)
             start = len(tokens)
             branch += 1
-            tokens.extend(ids_list[r][first_column + s : first_column + n])
-            positions.extend(range(first_column + s, first_column + n))
-            branches.extend([branch] * (n - s))
-            offsets[r] = list(range(min(s, n))) + list(range(start, start + max(n - s, 0)))
-        docs.append((tokens, positions, branches, offsets))
+            tokens.extend(ids_list[r][first_column + s : end])
+            positions.extend(range(first_column + s, end))
+            branches.extend([branch] * (end - first_column - s))
+            visible.extend([True] * (n - s) + [False] * (end - first_column - n))
+            offsets[r] = list(range(min(s, n))) + list(range(start, start + max(end - first_column - s, 0)))
+        docs.append((tokens, positions, branches, visible, offsets))
 
     if rows is None:
         rows = [[d] for d in range(len(docs))]
@@ -132,30 +140,35 @@ def build_shared_batch(
     out_pos = torch.zeros((n_rows, width), dtype=torch.long)
     out_doc = torch.full((n_rows, width), -1, dtype=torch.long)
     out_branch = torch.zeros((n_rows, width), dtype=torch.long)
+    out_visible = torch.ones((n_rows, width), dtype=torch.bool)
     stock_index = torch.full((num_stock_rows, stock_len), -1, dtype=torch.long)
     for i, row in enumerate(rows):
         cursor = 0
         for doc_number, d in enumerate(row):
-            tokens, positions, branches, offsets = docs[d]
+            tokens, positions, branches, visible, offsets = docs[d]
             n = len(tokens)
             sl = slice(cursor, cursor + n)
             out_ids[i, sl] = torch.tensor(tokens, dtype=torch.long)
             out_pos[i, sl] = torch.tensor(positions, dtype=torch.long)
             out_doc[i, sl] = doc_number
             out_branch[i, sl] = torch.tensor(branches, dtype=torch.long)
+            out_visible[i, sl] = torch.tensor(visible, dtype=torch.bool)
             base = i * width + cursor
             for r, offs in offsets.items():
                 if offs:
                     stock_index[r, starts[r] : starts[r] + len(offs)] = base + torch.tensor(offs, dtype=torch.long)
             cursor += n
     # Padding queries see earlier padding only: never a real token, and never an empty row (no NaN in softmax).
-    return {
+    layout = {
         "input_ids": out_ids,
         "position_ids": out_pos,
         "document_ids": out_doc,
         "branch_ids": out_branch,
         "stock_index": stock_index,
     }
+    if score_padding:
+        layout["key_visible"] = out_visible
+    return layout
 
 
 def _token_runs(attention_mask: torch.Tensor) -> tuple[list[int], list[int]]:

@@ -5,7 +5,8 @@ K >= 1 *branches* (the completions). Every token carries three ids, built by :mo
 
 - ``document_ids``: which document the token belongs to (``-1`` for padding, which then only sees padding),
 - ``branch_ids``: ``0`` for the shared prefix, ``k >= 1`` for the k-th branch,
-- ``position_ids``: the position the token has in the ordinary, unshared sequence.
+- ``position_ids``: the position the token has in the ordinary, unshared sequence,
+- ``key_visible`` (only where a trainer scores stock's padding): False for padding that is a query but never a key.
 
 ``dpo_mask`` lets a query see a key when the key is earlier (causal), in the same document, and either in the shared
 prefix or in the query's own branch. Drawn for one document ``[p p p | c c | r r r]``::
@@ -34,6 +35,7 @@ __all__ = [
     "same_document",
     "prefix_or_same_branch",
     "sliding_window",
+    "visible_key",
     "dpo_mask",
     "dense_mask",
     "block_mask",
@@ -73,9 +75,19 @@ def sliding_window(position_ids: torch.Tensor, window: int):
     return mask_mod
 
 
+def visible_key(key_visible: torch.Tensor):
+    """Keys marked invisible are seen by no query: stock's padding, whose queries are scored but whose keys are masked."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return key_visible[b, kv_idx]
+
+    return mask_mod
+
+
 def dpo_mask(document_ids: torch.Tensor, branch_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-             window: int | None = None):
-    """The prefix-sharing ``mask_mod``: causal, same document, prefix or own branch (and an optional sliding window).
+             window: int | None = None, key_visible: torch.Tensor | None = None):
+    """The prefix-sharing ``mask_mod``: causal, same document, prefix or own branch (and an optional sliding window,
+    and invisible padding keys where the layout scores stock's padding).
 
     With one document per row and two branches this is the paper's
     ``!((rejected_start <= q) && (chosen_start <= kv < rejected_start))`` on top of causal attention.
@@ -85,6 +97,8 @@ def dpo_mask(document_ids: torch.Tensor, branch_ids: torch.Tensor, position_ids:
         if position_ids is None:
             raise ValueError("A sliding window needs `position_ids`.")
         mods.append(sliding_window(position_ids, window))
+    if key_visible is not None:
+        mods.append(visible_key(key_visible))
     return and_masks(*mods)
 
 
