@@ -7,7 +7,7 @@
     trl-prefix-sharing demo
     python -m trl_prefix_sharing dpo ...
 
-`dpo`, `reward`, `grpo` and `rloo` take TRL's arguments (the same `TrlParser` over `ScriptArguments`, the config, `ModelConfig` and
+`dpo`, `reward`, `grpo`, `rloo` and `online_dpo` take TRL's arguments (the same `TrlParser` over `ScriptArguments`, the config, `ModelConfig` and
 `DatasetMixtureConfig`, YAML `--config` files, PEFT/quantization flags) plus this package's fields, and are launched
 through `accelerate launch` exactly as TRL launches its scripts (`--accelerate_config zero3`, `--num_processes`, ...).
 """
@@ -18,12 +18,13 @@ import sys
 
 __all__ = ["main"]
 
-USAGE = """usage: trl-prefix-sharing {dpo,reward,grpo,rloo,stats,demo} [args]
+USAGE = """usage: trl-prefix-sharing {dpo,reward,grpo,rloo,online_dpo,stats,demo} [args]
 
   dpo      DPO training (TRL's `trl dpo` arguments + prefix_sharing, packing, ...), launched with accelerate
   reward   reward-model training (TRL's `trl reward` arguments + the same), launched with accelerate
   grpo     GRPO training (TRL's `trl grpo` arguments, reward functions included, + prefix_sharing)
   rloo     RLOO training (TRL's `trl rloo` arguments + prefix_sharing)
+  online_dpo  online DPO (TRL's experimental OnlineDPOConfig, rewards named as for grpo, + prefix_sharing)
   stats    does prefix sharing pay on this dataset? (loads the tokenizer only)
   demo     stock TRL vs prefix sharing on the shipped demo dataset (CPU, offline)
 
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
-    if command in ("dpo", "reward", "grpo", "rloo"):
+    if command in ("dpo", "reward", "grpo", "rloo", "online_dpo"):
         return launch(command, rest)
     if command == "stats":
         from .stats import main as stats_main

@@ -1,4 +1,4 @@
-"""The training scripts behind `trl-prefix-sharing dpo|reward|grpo|rloo`: TRL's scripts with this package's trainers
+"""The training scripts behind `trl-prefix-sharing dpo|reward|grpo|rloo|online_dpo`: TRL's scripts with this package's trainers
 and configs, plus offline-friendly dataset loading (a local JSON/JSONL/Parquet file or directory) and early errors."""
 
 from __future__ import annotations
@@ -17,13 +17,18 @@ def make_parser(command: str, prog: str | None = None):
 
     from ..config import DPOConfig, GRPOConfig, RewardConfig, RLOOConfig
 
+    from ..online_dpo_trainer import OnlineDPOConfig
+
     script_args, config = {"dpo": (ScriptArguments, DPOConfig), "reward": (ScriptArguments, RewardConfig),
-                           "grpo": (GRPOScriptArguments, GRPOConfig), "rloo": (RLOOScriptArguments, RLOOConfig)}[command]
+                           "grpo": (GRPOScriptArguments, GRPOConfig), "rloo": (RLOOScriptArguments, RLOOConfig),
+                           # TRL ships no online DPO script: GRPO's script arguments name the reward the same way
+                           "online_dpo": (GRPOScriptArguments, OnlineDPOConfig)}[command]
     return TrlParser((script_args, config, ModelConfig, DatasetMixtureConfig), prog=prog)
 
 
 def load_reward_funcs(script_args) -> list:
-    """TRL's `trl grpo`/`trl rloo` rule: a reward model path, then named reward functions or dotted import paths."""
+    """TRL's `trl grpo`/`trl rloo` rule (online DPO too): a reward model path, then named reward functions or dotted
+    import paths."""
     import importlib
     import sys
 
@@ -47,7 +52,8 @@ def load_reward_funcs(script_args) -> list:
             raise ValueError(f"Could not load reward function {name!r}. Expected one of {list(registry)} or a "
                              "dotted import path (e.g. 'my_lib.rewards.custom_reward').")
     if not reward_funcs:
-        raise ValueError("GRPO and RLOO need a reward: `--reward_funcs` and/or `--reward_model_name_or_path`.")
+        raise ValueError("GRPO, RLOO and online DPO need a reward: `--reward_funcs` and/or "
+                         "`--reward_model_name_or_path`.")
     return reward_funcs
 
 
@@ -88,6 +94,7 @@ def main(command: str, script_args, training_args, model_args, dataset_args) -> 
 
     from ..dpo_trainer import DPOTrainer
     from ..grpo_trainer import GRPOTrainer
+    from ..online_dpo_trainer import OnlineDPOTrainer
     from ..reward_trainer import RewardTrainer
     from ..rloo_trainer import RLOOTrainer
 
@@ -112,15 +119,25 @@ def main(command: str, script_args, training_args, model_args, dataset_args) -> 
                              "set `--dataset_test_split` or `--eval_strategy no`.")
         eval_dataset = dataset[script_args.dataset_test_split]
 
-    trainer_cls = {"dpo": DPOTrainer, "reward": RewardTrainer, "grpo": GRPOTrainer, "rloo": RLOOTrainer}[command]
-    rewards = {"reward_funcs": load_reward_funcs(script_args)} if command in ("grpo", "rloo") else {}
+    trainer_cls = {"dpo": DPOTrainer, "reward": RewardTrainer, "grpo": GRPOTrainer, "rloo": RLOOTrainer,
+                   "online_dpo": OnlineDPOTrainer}[command]
+    rewards = {"reward_funcs": load_reward_funcs(script_args)} if command in ("grpo", "rloo", "online_dpo") else {}
+    quantization = {"quantization_config": get_quantization_config(model_args)}
+    if command == "online_dpo":  # its trainer takes no `quantization_config` (the model is loaded with these kwargs)
+        from transformers import AutoTokenizer  # and loads no tokenizer of its own
+
+        if quantization["quantization_config"] is not None:
+            training_args.model_init_kwargs["quantization_config"] = quantization["quantization_config"]
+        quantization = {"processing_class": AutoTokenizer.from_pretrained(
+            model_args.model_name_or_path, revision=model_args.model_revision,
+            trust_remote_code=training_args.trust_remote_code)}
     trainer = trainer_cls(
         model=model_args.model_name_or_path,
         **rewards,
         args=training_args,
         train_dataset=dataset[script_args.dataset_train_split],
         eval_dataset=eval_dataset,
-        quantization_config=get_quantization_config(model_args),
+        **quantization,
         peft_config=get_peft_config(model_args),
     )
     if command == "dpo" and script_args.ignore_bias_buffers:
@@ -155,7 +172,7 @@ def release_distributed_wrappers(trainer) -> None:
 
 
 def run_script(command: str) -> None:
-    """Entry point of the launched scripts (`cli/dpo.py`, `cli/reward.py`, `cli/grpo.py`, `cli/rloo.py`)."""
+    """Entry point of the launched scripts (`cli/dpo.py`, `cli/reward.py`, `cli/grpo.py`, `cli/rloo.py`, `cli/online_dpo.py`)."""
     parser = make_parser(command)
     script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(fail_with_unknown_args=False)
     main(command, script_args, training_args, model_args, dataset_args)
