@@ -1,16 +1,20 @@
-"""Stock TRL's GRPO vs prefix-shared GRPO: training-step time, its share of the ideal, activation memory.
+"""Stock TRL vs prefix sharing for the online trainers (GRPO, online DPO): training-step time, its share of the ideal,
+activation memory.
 
-    python scripts/benchmark_grpo.py --out docs/benchmarks        # CPU, ~10 minutes on 2 cores
+    python scripts/benchmark_online.py --trainer grpo --out docs/benchmarks         # CPU, ~10 minutes on 2 cores
+    python scripts/benchmark_online.py --trainer online_dpo --out docs/benchmarks   # G = 2, ~5 minutes
 
 For each profile (median prompt and completion lengths with prompt/completion ratios of about 0.3, 1, 4 and 16) and
 group size G, prompts and their G completions get lognormal lengths around the medians, and a generation batch is built
 exactly as TRL's `_generate_and_score_completions` returns it (left-padded prompts, right-padded completions, masks,
-advantages, `num_items_in_batch`). The same micro-batches go through both trainers' training step (TRL's
-`compute_loss` and backward; `--beta > 0` adds the reference pass, as TRL computes it before the step). Timed repeats
+advantages, `num_items_in_batch`). The same micro-batches go through both trainers' training step (GRPO: TRL's `compute_loss` and
+backward, `--beta > 0` adds the reference pass, as TRL computes it before the step; online DPO: TRL's `_forward` of the
+policy with backward, and of the reference). Timed repeats
 of the variants are interleaved (rotating order) and the median taken: ratios from one run, since the machine is
 noisy. Generation (the model's own `generate` of the same lengths, which prefix sharing does not change) is timed once
 per profile to report the speedup with generation included. The ideal is the ratio of positions the model runs,
-stock / shared, measured on the batches: `G(P+C) / (P+GC)` for equal lengths. Writes `grpo_cpu.md` and `grpo_cpu.json`.
+stock / shared, measured on the batches: `G(P+C) / (P+GC)` for equal lengths. Activation memory: bytes autograd
+saves for backward in one step. Writes `<trainer>_<mode>.md` and `.json`.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark import ActivationMeter, build_model, quiet_setup  # noqa: E402
+from benchmark import build_model, quiet_setup  # noqa: E402
 
+TITLES = {"grpo": "GRPO", "online_dpo": "Online DPO"}
+STEPS = {"grpo": "TRL's `compute_loss` + backward (plus the reference pass when beta > 0)",
+         "online_dpo": "TRL's `_forward` of the policy + backward, and of the reference (no grad)"}
 # median (prompt, completion) tokens: reasoning (long answers), chat, QA, long-context QA
 PROFILES = {"math-reasoning": (128, 384), "chat": (256, 256), "qa": (1024, 256), "long-context-qa": (2048, 128)}
 
@@ -71,46 +78,76 @@ def make_trainer(variant, model, tokenizer, args, tmp):
     from datasets import Dataset
     from trl.trainer.utils import add_fused_lm_head
 
-    from trl_prefix_sharing import GRPOConfig, GRPOTrainer
+    from trl_prefix_sharing import GRPOConfig, GRPOTrainer, OnlineDPOConfig, OnlineDPOTrainer
 
-    config = GRPOConfig(output_dir=os.path.join(tmp, variant), per_device_train_batch_size=args.rows,
-                        num_generations=args.num_generations, bf16=args.mode == "gpu", use_cpu=args.mode == "cpu",
-                        report_to="none", gradient_checkpointing=args.gradient_checkpointing,
-                        prefix_sharing=variant == "sharing")
-    trainer = GRPOTrainer(model=copy.deepcopy(model), reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
-                          args=config, train_dataset=Dataset.from_list([{"prompt": "w1"}] * 8),
-                          processing_class=tokenizer)
+    common = dict(output_dir=os.path.join(tmp, variant), per_device_train_batch_size=args.rows,
+                  bf16=args.mode == "gpu", use_cpu=args.mode == "cpu", report_to="none",
+                  gradient_checkpointing=args.gradient_checkpointing, prefix_sharing=variant == "sharing")
+    prompts = Dataset.from_list([{"prompt": "w1"}] * 8)
+    zero = [lambda completions, **kw: [0.0] * len(completions)]
+    if args.trainer == "online_dpo":
+        return OnlineDPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(model).eval(), reward_funcs=zero,
+                                args=OnlineDPOConfig(**common), train_dataset=prompts, processing_class=tokenizer)
+    trainer = GRPOTrainer(model=copy.deepcopy(model), reward_funcs=zero, train_dataset=prompts,
+                          args=GRPOConfig(num_generations=args.num_generations, **common), processing_class=tokenizer)
+    trainer.current_gradient_accumulation_steps = 1  # set by the Trainer's loop, which this step does not run
     if args.beta:  # an in-memory reference model (TRL would reload one from the model's path)
         trainer.beta = args.beta
         trainer.ref_model = copy.deepcopy(model).eval()
         add_fused_lm_head(trainer.ref_model)
         if variant == "sharing":
             trainer._patch_models()
-    trainer.current_gradient_accumulation_steps = 1  # set by the Trainer's loop, which this step does not run
-    trainer.meter = ActivationMeter(trainer)
     return trainer
 
 
-def training_step(trainer, batches, cuda):
-    """Reference pass (when `beta > 0`), then the loss and backward of every micro-batch; wall time."""
+def grpo_step(trainer, batch):
     import torch
 
+    if trainer.beta:
+        with torch.no_grad():
+            ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+            mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+            batch["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
+                trainer.ref_model, ids, mask, batch["completion_ids"].shape[1])[0]
+    trainer.compute_loss(trainer.model, batch).backward()
+
+
+def online_dpo_step(trainer, batch):
+    """TRL's two `_forward` passes, and a loss over the completion log-probs (the DPO loss reads only their sums)."""
+    import torch
+
+    inputs = (batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"])
+    logps = trainer._forward(trainer.model, *inputs)
+    with torch.no_grad():
+        ref_logps = trainer._forward(trainer.ref_model, *inputs)
+    ((logps - ref_logps) * batch["completion_mask"] * batch["advantages"][:, None]).sum().backward()
+
+
+def training_step(trainer, batches, cuda, args):
+    """Every micro-batch of one generation batch; (wall time, bytes autograd saved for backward at most)."""
+    import torch
+
+    step = online_dpo_step if args.trainer == "online_dpo" else grpo_step
+    saved = 0
     if cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
     trainer.model.train()
     for batch in batches:
-        if trainer.beta:
-            with torch.no_grad():
-                ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-                mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-                batch["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
-                    trainer.ref_model, ids, mask, batch["completion_ids"].shape[1])[0]
-        trainer.compute_loss(trainer.model, batch).backward()
+        storages = {}
+
+        def pack(tensor):
+            if tensor.device.type != "meta":
+                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            step(trainer, batch)
+        saved = max(saved, sum(storages.values()))
     trainer.model.zero_grad(set_to_none=True)
     if cuda:
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, saved
 
 
 def generation_time(model, batch, cuda):
@@ -139,13 +176,12 @@ def run(profile, g, model, tokenizer, args, tmp):
                              device=device)
     batches = micro_batches(batch, args.rows)
     trainers = {variant: make_trainer(variant, model, tokenizer, args, tmp) for variant in ("stock", "sharing")}
-    for trainer in trainers.values():
-        training_step(trainer, batches, cuda)  # warm-up
+    activations = {variant: training_step(trainer, batches, cuda, args)[1] for variant, trainer in trainers.items()}
     times = {variant: [] for variant in trainers}
     order = list(trainers)
     for repeat in range(args.repeats):
         for variant in order[repeat % 2:] + order[: repeat % 2]:
-            times[variant].append(training_step(trainers[variant], batches, cuda))
+            times[variant].append(training_step(trainers[variant], batches, cuda, args)[0])
     stock_positions = int(torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1).sum())
     from trl_prefix_sharing.group_sharing import shared_group_layout
 
@@ -153,7 +189,8 @@ def run(profile, g, model, tokenizer, args, tmp):
     for b in batches:
         ids = torch.cat([b["prompt_ids"], b["completion_ids"]], dim=1)
         mask = torch.cat([b["prompt_mask"], b["completion_mask"]], dim=1)
-        shared_positions += int((shared_group_layout(ids, mask, b["prompt_ids"].shape[1], 0)["document_ids"] >= 0).sum())
+        layout = shared_group_layout(ids, mask, b["prompt_ids"].shape[1], 0, score_padding=args.trainer == "online_dpo")
+        shared_positions += int((layout["document_ids"] >= 0).sum())  # online DPO also scores stock's padding
     step = {variant: statistics.median(t) for variant, t in times.items()}
     generate = generation_time(copy.deepcopy(model), batch, cuda)
     ideal = stock_positions / shared_positions
@@ -166,8 +203,7 @@ def run(profile, g, model, tokenizer, args, tmp):
         "shared_positions": shared_positions, "ideal": ideal, "step_s": step, "step_times_s": times,
         "speedup": speedup, "share_of_ideal": speedup / ideal, "generation_s": generate,
         "speedup_with_generation": (generate + step["stock"]) / (generate + step["sharing"]),
-        "activation_bytes": {v: t.meter.peak for v, t in trainers.items()},
-        "activation_ratio": trainers["sharing"].meter.peak / trainers["stock"].meter.peak,
+        "activation_bytes": activations, "activation_ratio": activations["sharing"] / activations["stock"],
     }
 
 
@@ -181,17 +217,16 @@ def write(results, args, device, command):
             "trl": trl.__version__, "model": f"{args.family}, hidden {args.hidden_size}, {args.layers} layers",
             "length_scale": args.length_scale, "beta": args.beta, "groups_per_micro_batch": args.groups_per_step,
             "micro_batches": args.micro_batches, "repeats": args.repeats}
-    name = f"grpo_{args.mode}"
+    name = f"{args.trainer}_{args.mode}"
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     lines = [
-        f"# GRPO: stock TRL vs prefix sharing ({args.mode.upper()})", "",
+        f"# {TITLES[args.trainer]}: stock TRL vs prefix sharing ({args.mode.upper()})", "",
         f"Made by `{command}` ({device}; torch {torch.__version__}, transformers {transformers.__version__}, "
         f"trl {trl.__version__}; {meta['model']}; lengths x {args.length_scale}; {args.groups_per_step} prompts x G "
         f"generations per micro-batch, {args.micro_batches} micro-batches per step; beta={args.beta}; median of "
         f"{args.repeats} interleaved repeats).", "",
-        "Training step = TRL's `compute_loss` + backward over every micro-batch of one generation batch (plus the "
-        "reference pass when beta > 0). *Ideal* = stock positions / shared positions on these batches, "
+        f"Training step = {STEPS[args.trainer]}, over every micro-batch of one generation batch. *Ideal* = stock positions / shared positions on these batches, "
         "`G(P+C)/(P+GC)` for equal lengths. Generation (the same in both) is timed once with the model's `generate`.",
         "",
         "| profile | G | prompt | completion | p/c | ideal | step speedup | share of ideal | with generation | "
@@ -210,8 +245,9 @@ def write(results, args, device, command):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=["cpu", "gpu"], default="cpu")
-    parser.add_argument("--profiles", default=",".join(PROFILES))
-    parser.add_argument("--generations", default="4,8", help="group sizes G")
+    parser.add_argument("--trainer", choices=["grpo", "online_dpo"], default="grpo")
+    parser.add_argument("--profiles", default=None, help="default: all for grpo; ratios 0.3, 1 and 4 for online DPO")
+    parser.add_argument("--generations", default=None, help="group sizes G (default 4,8; online DPO: 2)")
     parser.add_argument("--groups-per-step", type=int, default=2, help="prompts per micro-batch")
     parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per generation batch")
     parser.add_argument("--repeats", type=int, default=5)
@@ -224,7 +260,10 @@ def main():
     parser.add_argument("--out", default="docs/benchmarks")
     args = parser.parse_args()
     args.length_scale = args.length_scale or (0.25 if args.mode == "cpu" else 1.0)
-    command = "python scripts/benchmark_grpo.py " + " ".join(sys.argv[1:])
+    online_dpo = args.trainer == "online_dpo"
+    args.profiles = args.profiles or ("math-reasoning,chat,qa" if online_dpo else ",".join(PROFILES))
+    args.generations = "2" if online_dpo else (args.generations or "4,8")
+    command = "python scripts/benchmark_online.py " + " ".join(sys.argv[1:])
     device, tokenizer = quiet_setup(args.mode == "gpu")
     model = build_model("grpo", tokenizer, args)
     results = []
