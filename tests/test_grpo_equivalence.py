@@ -128,7 +128,7 @@ def test_grpo_training_matches_stock(tmp_path, tokenizer, model_dirs, family):
 
 
 @pytest.mark.parametrize("setting", [
-    {"loss_type": "grpo"},
+    {"loss_type": "grpo", "top_entropy_quantile": 0.5},
     {"beta": 0.1},
     {"num_iterations": 2, "beta": 0.1, "loss_type": "bnpo"},
     {"conversational": True, "beta": 0.05},
