@@ -1,25 +1,36 @@
 """Prefix sharing for TRL's DPO and reward trainers: compute each prompt once, get stock TRL's numbers."""
 
-from .attention import SUPPORTED_MODEL_TYPES
-from .collator import PrefixSharingCollator
-from .config import DPOConfig, RewardConfig
-from .dpo_trainer import DPOTrainer
-from .layout import build_shared_batch
-from .mask import dense_mask, dpo_mask
-from .reward_trainer import RewardTrainer
-from .sampler import MultipackSampler
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "DPOConfig",
-    "DPOTrainer",
-    "RewardConfig",
-    "RewardTrainer",
-    "MultipackSampler",
-    "PrefixSharingCollator",
-    "SUPPORTED_MODEL_TYPES",
-    "build_shared_batch",
-    "dense_mask",
-    "dpo_mask",
-]
+#: public name -> the module that defines it. Imported on first use, so that `python -m trl_prefix_sharing.demo` and
+#: the command line can set up logging (see `quiet.py`) before TRL, transformers and PEFT are imported.
+_EXPORTS = {
+    "DPOConfig": ".config",
+    "DPOTrainer": ".dpo_trainer",
+    "RewardConfig": ".config",
+    "RewardTrainer": ".reward_trainer",
+    "MultipackSampler": ".sampler",
+    "PrefixSharingCollator": ".collator",
+    "SUPPORTED_MODEL_TYPES": ".attention",
+    "build_shared_batch": ".layout",
+    "dense_mask": ".mask",
+    "dpo_mask": ".mask",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *_EXPORTS])

@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command in ("dpo", "reward"):
         return launch(command, rest)
+    if command in ("stats", "demo"):  # neither quantizes nor runs DeepSpeed: no start-up lines from those
+        from ..quiet import quiet_unused_backends
+
+        quiet_unused_backends()
     if command == "stats":
         from .stats import main as stats_main
 
