@@ -1,34 +1,42 @@
 """Prefix sharing for TRL's DPO, reward, GRPO, RLOO and online DPO trainers: compute each prompt once, get stock TRL's numbers."""
 
-from .attention import SUPPORTED_MODEL_TYPES
-from .collator import PrefixSharingCollator
-from .config import DPOConfig, GRPOConfig, RewardConfig, RLOOConfig
-from .dpo_trainer import DPOTrainer
-from .grpo_trainer import GRPOTrainer
-from .layout import build_shared_batch
-from .mask import dense_mask, dpo_mask
-from .online_dpo_trainer import OnlineDPOConfig, OnlineDPOTrainer
-from .reward_trainer import RewardTrainer
-from .rloo_trainer import RLOOTrainer
-from .sampler import MultipackSampler
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "DPOConfig",
-    "DPOTrainer",
-    "GRPOConfig",
-    "GRPOTrainer",
-    "RewardConfig",
-    "RewardTrainer",
-    "RLOOConfig",
-    "RLOOTrainer",
-    "OnlineDPOConfig",
-    "OnlineDPOTrainer",
-    "MultipackSampler",
-    "PrefixSharingCollator",
-    "SUPPORTED_MODEL_TYPES",
-    "build_shared_batch",
-    "dense_mask",
-    "dpo_mask",
-]
+#: public name -> the module that defines it. Imported on first use, so that `python -m trl_prefix_sharing.demo` and
+#: the command line can set up logging (see `quiet.py`) before TRL, transformers and PEFT are imported.
+_EXPORTS = {
+    "DPOConfig": ".config",
+    "DPOTrainer": ".dpo_trainer",
+    "GRPOConfig": ".config",
+    "GRPOTrainer": ".grpo_trainer",
+    "RewardConfig": ".config",
+    "RewardTrainer": ".reward_trainer",
+    "RLOOConfig": ".config",
+    "RLOOTrainer": ".rloo_trainer",
+    "OnlineDPOConfig": ".online_dpo_trainer",
+    "OnlineDPOTrainer": ".online_dpo_trainer",
+    "MultipackSampler": ".sampler",
+    "PrefixSharingCollator": ".collator",
+    "SUPPORTED_MODEL_TYPES": ".attention",
+    "build_shared_batch": ".layout",
+    "dense_mask": ".mask",
+    "dpo_mask": ".mask",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *_EXPORTS])

@@ -34,7 +34,8 @@ _PACKING_DOC = """
         gradient accumulation and ranks.
     packing_length (`int` or `None`, *optional*, defaults to `None`):
         Tokens per packed row. `None`: `per_device_train_batch_size` times the longest packing unit of the dataset,
-        rounded up to a multiple of 128. Rows are padded to exactly this length so FlexAttention shapes stay fixed.
+        rounded up to a multiple of 128 (a streamed dataset, whose lengths cannot be read ahead: times the bound on a
+        unit, 2 x `max_length`). Rows are padded to exactly this length so FlexAttention shapes stay fixed.
 """
 
 _FIELDS_DOC = _SHARING_DOC + _PACKING_DOC
@@ -82,8 +83,8 @@ class PackingArguments(PrefixSharingArguments):
     packing_length: int | None = field(
         default=None,
         metadata={
-            "help": "Tokens per packed row. Default: per_device_train_batch_size x the longest packing unit, rounded "
-            "up to a multiple of 128."
+            "help": "Tokens per packed row. Default: per_device_train_batch_size x the longest packing unit (streamed "
+            "data: 2 x max_length), rounded up to a multiple of 128."
         },
     )
 

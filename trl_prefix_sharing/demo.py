@@ -2,7 +2,9 @@
 
     python -m trl_prefix_sharing.demo [--steps 12] [--family llama]
 
-Prints both runs' losses step by step, the token positions each computed, and the wall time of each.
+Prints both runs' losses step by step, the token positions each computed, and their speed. The two runs take turns,
+one optimizer step each in alternating order (stock, shared, shared, stock, ...), each step timed while the other run
+waits, and the speed is the median step time: a busy machine slows both alike instead of whichever ran second.
 """
 
 from __future__ import annotations
@@ -11,9 +13,79 @@ import argparse
 import copy
 import os
 import re
+import statistics
 import tempfile
+import threading
 import time
 import warnings
+
+
+class TakeTurns:
+    """Several `trainer.train()` runs, each in its own thread, doing their optimizer steps in turn: step i of every run,
+    in an order that rotates with i. A run holds its turn from fetching a batch to the end of its step (timed), then
+    waits for its next turn; no two runs compute at once. An error in one run releases the others."""
+
+    def __init__(self, names: list[str], steps: int):
+        # each run's turns: its steps, then one more to finish (its last step ends by waiting for a turn)
+        self.order = [names[i % len(names):] + names[: i % len(names)] for i in range(steps + 1)]
+        self.schedule = [name for turn in self.order for name in turn]
+        self.position = 0
+        self.failed = False
+        self.condition = threading.Condition()
+        self.step_times = {name: [] for name in names}
+
+    def wait(self, name: str) -> None:
+        with self.condition:
+            self.condition.wait_for(lambda: self.failed or self.position >= len(self.schedule)
+                                    or self.schedule[self.position] == name)
+            if self.failed:
+                raise RuntimeError("another run failed")
+
+    def done(self, name: str, failed: bool = False) -> None:
+        with self.condition:
+            self.failed = self.failed or failed
+            if not failed and self.position < len(self.schedule) and self.schedule[self.position] == name:
+                self.position += 1
+            self.condition.notify_all()
+
+    def callback(self, name: str):
+        from transformers import TrainerCallback
+
+        turns = self
+
+        class Turn(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                turns.wait(name)
+                self.start = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                turns.step_times[name].append(time.perf_counter() - self.start)
+                turns.done(name)
+                turns.wait(name)
+                self.start = time.perf_counter()
+
+            def on_train_end(self, args, state, control, **kwargs):
+                turns.done(name)
+
+        return Turn()
+
+    def run(self, trainers: dict) -> None:
+        errors = []  # the first is the cause: the other runs fail only once it released them
+
+        def train(name, trainer):
+            try:
+                trainer.train()
+            except BaseException as error:  # noqa: BLE001 - re-raised in the calling thread
+                errors.append(error)
+                self.done(name, failed=True)
+
+        threads = [threading.Thread(target=train, args=item) for item in trainers.items()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
 
 
 def main(argv=None):
@@ -27,6 +99,9 @@ def main(argv=None):
 
     os.environ.setdefault("TQDM_DISABLE", "1")
     warnings.filterwarnings("ignore")
+    from .quiet import quiet_unused_backends
+
+    quiet_unused_backends()  # before TRL is imported: no bitsandbytes or DeepSpeed here
     import datasets
     import torch
     import trl
@@ -34,10 +109,12 @@ def main(argv=None):
     from transformers.utils import logging as hf_logging
 
     from trl_prefix_sharing import DPOConfig, DPOTrainer
+    from trl_prefix_sharing.sharing_trainer import logger as sharing_logger
     from trl_prefix_sharing.tiny import load_demo_dataset, make_model, make_tokenizer
 
     datasets.disable_progress_bars()
     hf_logging.set_verbosity_error()
+    sharing_logger.setLevel("ERROR")  # its start-up summary is printed below, once
     torch.manual_seed(0)
 
     dataset = load_demo_dataset()
@@ -49,9 +126,11 @@ def main(argv=None):
     print(f"Demo: {len(dataset)} preference pairs, {args.family} model with {params / 1e6:.1f}M parameters "
           f"(random init, built from config), CPU, fp32, {args.steps} steps of {args.batch_size} pairs.")
 
-    results = {}
+    names = ["stock TRL", "prefix sharing"]
+    turns = TakeTurns(names, args.steps)
     with tempfile.TemporaryDirectory() as tmp:
-        for name in ("stock TRL", "prefix sharing"):
+        trainers = {}
+        for name in names:
             common = dict(output_dir=os.path.join(tmp, name.replace(" ", "_")), per_device_train_batch_size=args.batch_size,
                           max_steps=args.steps, learning_rate=5e-5, logging_steps=1, bf16=False, use_cpu=True,
                           report_to="none", save_strategy="no", seed=0)
@@ -63,13 +142,15 @@ def main(argv=None):
                                   train_dataset=dataset, processing_class=tokenizer)
             trainer.remove_callback(PrinterCallback)
             trainer.remove_callback(ProgressCallback)
-            start = time.perf_counter()
-            trainer.train()
-            elapsed = time.perf_counter() - start
-            logs = [log for log in trainer.state.log_history if "loss" in log]
-            results[name] = {"logs": logs, "time": elapsed, "trainer": trainer}
+            trainer.add_callback(turns.callback(name))
+            trainers[name] = trainer
+        turns.run(trainers)
+    results = {name: {"logs": [log for log in trainer.state.log_history if "loss" in log], "trainer": trainer,
+                      "step": statistics.median(turns.step_times[name][1:] or turns.step_times[name])}
+               for name, trainer in trainers.items()}
 
     stock, shared = results["stock TRL"], results["prefix sharing"]
+    print(shared["trainer"].sharing_stats.summary())
     print(f"\n{'step':>4}  {'stock TRL loss':>15}  {'prefix-shared loss':>19}  {'|difference|':>12}")
     worst = 0.0
     for a, b in zip(stock["logs"], shared["logs"]):
@@ -81,9 +162,9 @@ def main(argv=None):
     print(f"\nlargest loss difference: {worst:.2e} (float32 round-off; the numbers are the same)")
     print(f"token positions computed by the policy: stock {stock_tokens:,}, prefix sharing {shared_tokens:,} "
           f"({stock_tokens / shared_tokens:.2f}x fewer)")
-    print(f"training time: stock {stock['time']:.1f}s, prefix sharing {shared['time']:.1f}s "
-          f"({stock['time'] / shared['time']:.2f}x faster; this machine is noisy, see docs/benchmarks for ratios)")
-    print(shared["trainer"].sharing_stats.summary())
+    print(f"median step time (the runs take turns, step by step, first step left out): stock {stock['step']:.2f}s, "
+          f"prefix sharing {shared['step']:.2f}s ({stock['step'] / shared['step']:.2f}x faster; a tiny model on CPU, "
+          "see docs/benchmarks for measured ratios)")
     if worst > 1e-4:
         raise SystemExit("The prefix-shared losses differ from stock TRL's: please report this as a bug.")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import trl
+from datasets import Dataset
 from transformers.utils import logging
 
 from .config import DPOConfig
@@ -86,6 +87,8 @@ class DPOTrainer(PrefixSharingTrainerMixin, trl.DPOTrainer):
             )
 
     def _precompute_ref_logps(self, dataset, name, batch_size):
+        if not isinstance(dataset, Dataset):
+            return super()._precompute_ref_logps(dataset, name, batch_size)  # TRL's own error for streams
         self._setup_prefix_sharing()  # TRL runs this from inside `__init__`
         if not self.packing:
             return super()._precompute_ref_logps(dataset, name, batch_size)

@@ -14,9 +14,11 @@ __all__ = ["RewardTrainer", "REWARD_COLUMNS"]
 
 #: (accepted column sets, what a dataset needs): checked before TRL's preprocessing
 REWARD_COLUMNS = (
-    ({"chosen", "rejected"}, {"chosen_ids", "rejected_ids"}, {"completions"}, {"completion_ids"}),
+    ({"chosen", "rejected"}, {"chosen_ids", "rejected_ids"}, {"chosen_input_ids", "rejected_input_ids"},
+     {"completions"}, {"completion_ids"}),
     "a reward dataset needs 'chosen' and 'rejected' (optionally 'prompt' and 'margin'), or pre-tokenized "
-    "'chosen_ids' and 'rejected_ids', or a ranked list 'completions' (best first).",
+    "'chosen_ids' and 'rejected_ids' (or TRL's older names 'chosen_input_ids' and 'rejected_input_ids'), or a ranked "
+    "list 'completions' (best first).",
 )
 
 

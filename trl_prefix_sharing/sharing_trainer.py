@@ -106,6 +106,10 @@ class PrefixSharingTrainerMixin(SharingSetupMixin):
                 # dense attention costs the square of the row length whatever the mask: several rows per batch, as
                 # long as its longest document (never more attention than stock's padded rows), not one long row
                 self.data_collator.packing_row_length = "batch"
+            elif self._streams():
+                # a stream has no sampler to make a batch fit one row: the collator packs what arrives into as many
+                # rows of `packing_length` as it needs (first-fit decreasing); a map-style batch still takes one
+                self.data_collator.packing_row_length = self.data_collator.packing_length
         self._prefix_sharing_ready = True
 
     def remove_prefix_sharing(self) -> None:
@@ -125,19 +129,39 @@ class PrefixSharingTrainerMixin(SharingSetupMixin):
             self._unit_lengths_cache[key] = unit_lengths(dataset, self.data_collator)
         return self._unit_lengths_cache[key]
 
-    def _longest_unit(self) -> int:
-        """The longest packing unit of the train and eval datasets."""
+    def _datasets(self) -> list:
+        """The train and eval datasets."""
         datasets = [self.train_dataset]
         if isinstance(self.eval_dataset, dict):
             datasets += list(self.eval_dataset.values())
-        elif self.eval_dataset is not None:
+        else:
             datasets.append(self.eval_dataset)
+        return [dataset for dataset in datasets if dataset is not None]
+
+    def _streams(self) -> bool:
+        """Whether a train or eval dataset is streamed (no lengths to read ahead, no sampler)."""
+        return any(not isinstance(dataset, Dataset) for dataset in self._datasets())
+
+    def _longest_unit(self) -> int:
+        """The longest packing unit of the train and eval datasets: measured on map-style datasets; for a stream, the
+        bound every example obeys (each of its stock rows holds at most `max_length` tokens, as TRL truncates or
+        drops longer ones, and a shared unit is never longer than its rows together)."""
         longest = 1
-        for dataset in datasets:
-            if not isinstance(dataset, Dataset):
-                raise ValueError("`packing=True` needs map-style datasets (the sampler needs every example's length).")
-            longest = max([longest, *self._unit_lengths(dataset)])
+        for dataset in self._datasets():
+            if isinstance(dataset, Dataset):
+                longest = max([longest, *self._unit_lengths(dataset)])
+                continue
+            if self.args.max_length is None:
+                raise ValueError(
+                    "`packing=True` on a streamed dataset needs a bound on its examples' length: set `max_length` "
+                    "(the packed rows then default to `per_device_train_batch_size` x 2 x `max_length` tokens) or "
+                    "`packing_length`."
+                )
+            longest = max(longest, self._rows_per_example * self.args.max_length)
         return longest
+
+    #: stock rows per example (a preference pair); a stream's packing unit is at most this many rows of `max_length`
+    _rows_per_example = 2
 
     def _resolve_packing_length(self) -> int:
         """`packing_length`, or `per_device_train_batch_size` x the longest unit (train and eval), rounded to 128."""
@@ -245,10 +269,12 @@ class PrefixSharingTrainerMixin(SharingSetupMixin):
         return loss, logits, labels
 
     def evaluation_loop(self, *args, **kwargs):
-        if not (self.packing and self.accelerator.num_processes > 1):
+        if not self.packing:
             return super().evaluation_loop(*args, **kwargs)
         # packed eval batches hold different numbers of pairs on each rank: the loop's gathers of per-pair losses (and
-        # logits) need per-rank sizes, or the collective fails (gloo) or hangs
+        # logits) need per-rank sizes, or the collective fails (gloo) or hangs. And no `gather_for_metrics`: on the
+        # last batch of a stream it keeps as many values as the batch has stock rows, which cuts a packed batch's
+        # per-pair losses short (a packed batch never repeats an example, so there is nothing to cut)
         gather_function = self.gather_function
         self.gather_function = lambda data: gather_variable(self.accelerator.gather, data)
         try:
@@ -279,5 +305,10 @@ class PrefixSharingTrainerMixin(SharingSetupMixin):
             if self.args.should_log:
                 logger.warning(message.strip())
             self.sharing_stats = stats
+            self._sharing_logged = True
+        elif self.packing and not self._sharing_logged and self.args.should_log:
+            logger.warning(f"Packing a streamed dataset: each batch of {self.args.per_device_train_batch_size} examples "
+                           "as it arrives (no lengths to read ahead, so no multipack sampler), in rows of at most "
+                           f"{self.data_collator.packing_length} tokens.")
             self._sharing_logged = True
         return super().train(*args, **kwargs)

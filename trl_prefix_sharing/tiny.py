@@ -19,8 +19,17 @@ __all__ = [
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<bos>", "<eos>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+#: renders plain messages as `<|role|> content <|end|> `; also tools (names), tool calls (`( name arguments )`),
+#: tool results and content lists (their text parts), as TRL's tool-calling format gives them
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|> {{ message['content'] }} <|end|> {% endfor %}"
+    "{% if tools %}<|system|> {% for tool in tools %}{{ (tool['function'] or tool)['name'] }} {% endfor %}<|end|> "
+    "{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|> "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% elif message['content'] %}{% for part in message['content'] %}{{ part['text'] }} {% endfor %}{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}( {{ call['function']['name'] }}"
+    "{% for key, value in (call['function']['arguments'] or {}).items() %}{% if value is not none %} {{ key }} "
+    "{{ value }}{% endif %}{% endfor %} ) {% endfor %} <|end|> {% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
 )
 WORDS = [f"w{i}" for i in range(200)] + [str(i) for i in range(100)] + [

@@ -10,6 +10,21 @@ from datasets import Dataset
 __all__ = ["validate_preference_rows"]
 
 _TEXT_FIELDS = ("prompt", "chosen", "rejected")
+#: columns of pre-tokenized data (TRL's reward trainer renames its older `*_input_ids` names itself)
+_PRE_TOKENIZED = {"prompt_ids", "chosen_ids", "rejected_ids", "chosen_input_ids", "rejected_input_ids",
+                  "completion_ids"}
+
+
+def _check_message(message, where: str) -> None:
+    """One message as TRL's chat-template path takes it: a dict with a 'role'; 'content' text, a list of content
+    parts, None or absent (an assistant turn with only 'tool_calls'); any other keys ('tool_calls', 'name',
+    'tool_call_id', ...) go to the chat template as they are."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ValueError(f"{where} is {message!r}; expected a dict with a 'role' (and 'content' or 'tool_calls').")
+    content = message.get("content")
+    if content is not None and not isinstance(content, (str, list)):
+        raise ValueError(f"{where} has content of type {type(content).__name__}; expected text, a list of content "
+                         "parts, or None.")
 
 
 def _check_text(value, where: str, allow_empty: bool) -> None:
@@ -17,16 +32,21 @@ def _check_text(value, where: str, allow_empty: bool) -> None:
         raise ValueError(f"{where} is None. Fill it in or drop the row.")
     if isinstance(value, str):
         return
-    if isinstance(value, list):  # conversational: a list of {"role", "content"} messages
+    if isinstance(value, list):  # conversational: a list of messages
         for k, message in enumerate(value):
-            if not isinstance(message, dict) or "role" not in message or "content" not in message:
-                raise ValueError(f"{where}: message {k} is {message!r}; expected a dict with 'role' and 'content'.")
-            if message["content"] is not None and not isinstance(message["content"], (str, list)):
-                raise ValueError(f"{where}: message {k} has content of type {type(message['content']).__name__}.")
+            _check_message(message, f"{where}: message {k}")
         if not value and not allow_empty:
             raise ValueError(f"{where} is an empty list of messages.")
         return
     raise ValueError(f"{where} is of type {type(value).__name__}; expected text or a list of messages.")
+
+
+def _check_same_format(row: dict, fields, where: str) -> None:
+    """TRL concatenates prompt and completions: text with messages is a TypeError deep inside `datasets.map`."""
+    kinds = {field: "messages" if isinstance(row[field], list) else "text" for field in fields}
+    if len(set(kinds.values())) > 1:
+        raise ValueError(f"{where} mixes text and conversational fields ({kinds}); give them all as text or all as "
+                         "lists of messages.")
 
 
 def _rows(dataset, batch_size: int = 1024):
@@ -42,7 +62,7 @@ def validate_preference_rows(dataset, name: str) -> None:
     if not isinstance(dataset, Dataset):
         return
     columns = set(dataset.column_names)
-    if {"prompt_ids", "chosen_ids", "rejected_ids"} & columns or "completion_ids" in columns:
+    if _PRE_TOKENIZED & columns:
         return  # pre-tokenized: TRL checks the ids
     fields = [f for f in _TEXT_FIELDS if f in columns]
     checked = [*fields, *(c for c in ("completions", "margin") if c in columns)]
@@ -51,6 +71,7 @@ def validate_preference_rows(dataset, name: str) -> None:
     for index, row in enumerate(_rows(dataset.select_columns(checked))):
         for field in fields:
             _check_text(row[field], f"{name} row {index}, '{field}'", allow_empty=field == "prompt")
+        _check_same_format(row, fields, f"{name} row {index}")
         if "completions" in columns:
             completions = row["completions"]
             if not isinstance(completions, list) or len(completions) < 2:

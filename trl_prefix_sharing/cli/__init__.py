@@ -1,4 +1,5 @@
-"""The `trl-prefix-sharing` command line: TRL's `trl dpo|reward|grpo|rloo` workflow with this package's trainers.
+"""The `trl-prefix-sharing` command line: TRL's `trl dpo|reward|grpo|rloo` workflow (and online DPO) with this
+package's trainers.
 
     trl-prefix-sharing dpo --model_name_or_path ... --dataset_name ... --prefix_sharing true --packing true
     trl-prefix-sharing reward --config recipe.yaml
@@ -7,8 +8,9 @@
     trl-prefix-sharing demo
     python -m trl_prefix_sharing dpo ...
 
-`dpo`, `reward`, `grpo`, `rloo` and `online_dpo` take TRL's arguments (the same `TrlParser` over `ScriptArguments`, the config, `ModelConfig` and
-`DatasetMixtureConfig`, YAML `--config` files, PEFT/quantization flags) plus this package's fields, and are launched
+`dpo`, `reward`, `grpo`, `rloo` and `online_dpo` take TRL's arguments (the same `TrlParser` over the script
+arguments, the config, `ModelConfig` and `DatasetMixtureConfig`, YAML `--config` files, PEFT/quantization flags) plus
+this package's fields, and are launched
 through `accelerate launch` exactly as TRL launches its scripts (`--accelerate_config zero3`, `--num_processes`, ...).
 """
 
@@ -60,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command in ("dpo", "reward", "grpo", "rloo", "online_dpo"):
         return launch(command, rest)
+    if command in ("stats", "demo"):  # neither quantizes nor runs DeepSpeed: no start-up lines from those
+        from ..quiet import quiet_unused_backends
+
+        quiet_unused_backends()
     if command == "stats":
         from .stats import main as stats_main
 

@@ -1,0 +1,139 @@
+"""Launched by tests/test_deepspeed.py through `accelerate launch` with a DeepSpeed ZeRO-2 or ZeRO-3 config on CPU
+(gloo, `use_cpu: true`, no mixed precision). Trains stock TRL and the prefix-shared trainer one after the other in the
+same processes, under the same config, from the same weights on the same data, and writes for each run: the logged
+losses, the trained weights (gathered from the ZeRO-3 partitions) and how the parameters were partitioned.
+
+`--runs` picks the runs: `dpo` (stock, then ours with sharing), `reward` (same), `dpo-packing` (ours with sharing and
+packing; its stock counterpart is `dpo-replay`, stock TRL on one process taking, step by step, the union of the
+packed batches of the 2 ranks as one ordinary batch: the plain mean over the same pairs)."""
+
+import argparse
+import copy
+import json
+import os
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+os.environ.setdefault("TQDM_DISABLE", "1")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import datasets  # noqa: E402
+import torch  # noqa: E402
+import trl  # noqa: E402
+from distributed_train import ReplayRanks, finish  # noqa: E402
+
+from trl_prefix_sharing import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer  # noqa: E402
+from trl_prefix_sharing.tiny import make_config, make_model, make_tokenizer, synthetic_pairs  # noqa: E402
+
+
+def make_models(tokenizer) -> dict:
+    """Initial weights, made before any trainer exists: once DeepSpeed ZeRO-3 is configured (by the first trainer),
+    transformers builds new models under `deepspeed.zero.Init`, which initialises them differently, so each run
+    starts from a deep copy of these."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    reward = AutoModelForSequenceClassification.from_config(make_config("llama", len(tokenizer), num_labels=1),
+                                                            attn_implementation="sdpa", dtype=torch.float32)
+    return {"dpo": (make_model("qwen2", len(tokenizer), seed=0), make_model("qwen2", len(tokenizer), seed=1)),
+            "reward": (reward,)}
+
+
+def make_trainer(kind, ours, out, tokenizer, dataset, models, **fields):
+    common = dict(output_dir=os.path.join(out, "run"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                  num_train_epochs=1, bf16=False, use_cpu=True, report_to="none", logging_steps=1,
+                  save_strategy="no", seed=0, learning_rate=0.1, optim="sgd", max_length=None,
+                  train_sampling_strategy="sequential")  # the same batches for both runs (packing: its own sampler)
+    common.update(fields)
+    ours_fields = ours or {}
+    if kind == "dpo":
+        model, ref = (copy.deepcopy(m) for m in models["dpo"])
+        args = DPOConfig(**common, **ours_fields) if ours is not None else trl.DPOConfig(**common)
+        cls = DPOTrainer if ours is not None else trl.DPOTrainer
+        return cls(model=model, ref_model=ref, args=args, train_dataset=dataset, processing_class=tokenizer)
+    common["center_rewards_coefficient"] = 0.01
+    args = RewardConfig(**common, **ours_fields) if ours is not None else trl.RewardConfig(**common)
+    cls = RewardTrainer if ours is not None else trl.RewardTrainer
+    return cls(model=copy.deepcopy(models["reward"][0]), args=args, train_dataset=dataset, processing_class=tokenizer)
+
+
+def partitioning(trainer) -> dict:
+    """How the trained model's parameters and optimizer state are held on this rank."""
+    engine = trainer.model_wrapped
+    params = list(engine.module.parameters())
+    optimizer = engine.optimizer
+    master = getattr(optimizer, "fp32_partitioned_groups_flat", None)  # ZeRO-3
+    if master is None:
+        master = getattr(optimizer, "single_partition_of_fp32_groups", [])  # ZeRO-1/2
+    return {"stage": engine.zero_optimization_stage(),
+            "local": sum(p.numel() for p in params),  # ZeRO-3: empty placeholders
+            "partition": sum(p.ds_tensor.numel() for p in params if hasattr(p, "ds_tensor")),
+            "full": sum(getattr(p, "ds_numel", p.numel()) for p in params),
+            "optimizer_partition": sum(t.numel() for t in master)}
+
+
+def full_weights(trainer) -> dict:
+    import deepspeed
+
+    model = trainer.model_wrapped.module
+    params = dict(model.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+        return {name: p.detach().clone() for name, p in params.items()}
+
+
+def without_shm_allreduce() -> None:
+    """DeepSpeed JIT-compiles a shared-memory allreduce for CPU (C++ through ninja: minutes on 2 cores) when it first
+    initialises; mark it unavailable so that DeepSpeed uses torch.distributed's gloo collectives, as it does where the
+    op cannot build. (`__compatible_ops__` is one dict cached in the module, read when DeepSpeed initialises.)"""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def main():
+    without_shm_allreduce()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--runs", required=True)
+    args = parser.parse_args()
+    datasets.disable_progress_bars()
+    torch.set_num_threads(1)
+    tokenizer = make_tokenizer()
+    dataset = synthetic_pairs(16, (1, 60), (1, 12), seed=21)
+    models = make_models(tokenizer)
+    results = {}
+    for run in args.runs.split(","):
+        kind = run.split("-")[0]
+        if run in ("dpo", "reward"):
+            todo = [("stock", None, {}), ("ours", {"prefix_sharing": True}, {})]
+        elif run == "dpo-packing":
+            todo = [("ours", {"prefix_sharing": True, "packing": True}, {"gradient_accumulation_steps": 1,
+                                                                         "per_device_train_batch_size": 3})]
+        else:  # dpo-replay: one process, the packed batches of 2 ranks as ordinary stock batches
+            todo = [("stock", None, {"gradient_accumulation_steps": 1, "per_device_train_batch_size": 3})]
+        for label, ours, fields in todo:
+            trainer = make_trainer(kind, ours, args.out, tokenizer, dataset, models, **fields)
+            if run == "dpo-replay":
+                planner = make_trainer(kind, {"prefix_sharing": True, "packing": True}, args.out, tokenizer, dataset,
+                                       models, **fields)
+                replay = ReplayRanks(planner._unit_lengths(planner.train_dataset),
+                                     planner._resolve_packing_length(), num_replicas=2, rank=0, seed=0, shuffle=True)
+                trainer._get_train_sampler = lambda train_dataset=None: replay
+            loader = trainer.get_train_dataloader()
+            sampler = getattr(loader.batch_sampler, "batch_sampler", loader.batch_sampler)
+            pairs_per_batch = [len(b) for b in sampler] if "packing" in run else []
+            trainer.train()
+            losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+            weights = full_weights(trainer)
+            results[f"{run}/{label}"] = {"losses": losses, "partitioning": partitioning(trainer),
+                                         "world": trainer.args.world_size, "pairs_per_batch": pairs_per_batch}
+            if trainer.args.process_index == 0:
+                torch.save(weights, os.path.join(args.out, f"{run}-{label}.pt"))
+    with open(os.path.join(args.out, f"rank{int(os.environ.get('RANK', 0))}.json"), "w") as f:
+        json.dump(results, f)
+    finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""The demo: stock TRL and prefix sharing take turns step by step (so a busy machine slows both alike), its output
+prints the start-up summary once, and no start-up line from libraries it does not use (bitsandbytes, DeepSpeed)."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from equivalence import make_trainers
+
+from trl_prefix_sharing.demo import TakeTurns
+from trl_prefix_sharing.quiet import STARTUP_LINES
+from trl_prefix_sharing.tiny import synthetic_pairs
+
+
+def test_demo_output(tmp_path):
+    env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "trl_prefix_sharing", "demo", "--steps", "3", "--hidden-size", "32",
+                           "--layers", "1"], capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    output = proc.stdout + proc.stderr
+    assert output.count("Prefix sharing on 96 examples") == 1
+    assert "median step time (the runs take turns" in output and "x faster" in output
+    assert "largest loss difference" in output
+    for _, line in STARTUP_LINES.values():
+        assert line not in output
+
+
+def test_runs_take_turns_step_by_step(tmp_path, tokenizer):
+    """No two runs compute at once, and the order rotates: step i of every run before step i + 1 of any."""
+    from transformers import TrainerCallback
+
+    stock, shared = make_trainers(tmp_path, "llama", synthetic_pairs(12, (5, 30), (1, 6), seed=3), tokenizer,
+                                  max_steps=3, per_device_train_batch_size=2)
+    events = []
+
+    class Record(TrainerCallback):
+        def __init__(self, name):
+            self.name = name
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            events.append((self.name, "begin", time.perf_counter()))
+            time.sleep(0.05)  # a run that overlapped another would show it here
+
+        def on_step_end(self, args, state, control, **kwargs):
+            events.append((self.name, "end", time.perf_counter()))
+
+    turns = TakeTurns(["stock", "shared"], steps=3)
+    trainers = {"stock": stock, "shared": shared}
+    for name, trainer in trainers.items():
+        trainer.add_callback(Record(name))  # before the turn callback: its on_step_end runs inside the turn
+        trainer.add_callback(turns.callback(name))
+    turns.run(trainers)
+    names = [name for name, kind, _ in events if kind == "begin"]
+    assert names == ["stock", "shared", "shared", "stock", "stock", "shared"]
+    for (name, kind, _), (next_name, next_kind, _) in zip(events, events[1:]):
+        assert kind != next_kind and (kind == "end" or name == next_name)  # begin/end pairs never interleave
+    assert all(len(times) == 3 and min(times) > 0 for times in turns.step_times.values())
+
+
+def test_a_failing_run_releases_the_other(tmp_path, tokenizer):
+    stock, shared = make_trainers(tmp_path, "llama", synthetic_pairs(8, (5, 30), (1, 6), seed=3), tokenizer,
+                                  max_steps=2, per_device_train_batch_size=2)
+    turns = TakeTurns(["stock", "shared"], steps=2)
+
+    def broken(*args, **kwargs):
+        raise KeyError("broken on purpose")
+
+    shared.compute_loss = broken
+    for name, trainer in (("stock", stock), ("shared", shared)):
+        trainer.add_callback(turns.callback(name))
+    with pytest.raises(KeyError, match="broken on purpose"):
+        turns.run({"stock": stock, "shared": shared})
