@@ -37,6 +37,7 @@ class DPOTrainer(PrefixSharingTrainerMixin, trl.DPOTrainer):
     logged metrics are weighted by the pairs (or completion tokens) each step averaged over.
     """
 
+    _supports_vision = True  # TRL's vision collator: images laid out by `trl_prefix_sharing.vision`
     _token_weighted_metrics = {"entropy": "all", "logits/chosen": "chosen", "logits/rejected": "rejected",
                                "mean_token_accuracy": "chosen"}
 
@@ -60,8 +61,8 @@ class DPOTrainer(PrefixSharingTrainerMixin, trl.DPOTrainer):
             if not isinstance(args, DPOConfig):
                 raise TypeError("`prefix_sharing`/`packing` need `trl_prefix_sharing.DPOConfig` as `args`.")
             self._check_model_and_processor(model, args, processing_class, peft_config)
-            check_dataset_columns(train_dataset, "train", *DPO_COLUMNS)
-            check_dataset_columns(eval_dataset, "eval", *DPO_COLUMNS)
+            check_dataset_columns(train_dataset, "train", *DPO_COLUMNS, allow_images=True)
+            check_dataset_columns(eval_dataset, "eval", *DPO_COLUMNS, allow_images=True)
         super().__init__(
             model=model,
             ref_model=ref_model,

@@ -7,6 +7,8 @@ pair-normalised loss, metric weighting and gathers that accept per-rank sizes. T
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from datasets import Dataset, IterableDataset
 from transformers.trainer_pt_utils import BatchRebalanceSampler
@@ -19,6 +21,8 @@ from .forward import install_prefix_sharing_forward, remove_prefix_sharing_forwa
 from .sampler import MultipackSampler
 from .stats import sharing_stats
 from .validation import validate_preference_rows
+from .vision import (VISION_MODEL_TYPES, check_supported_vision_model, has_vision_inputs, is_vision_config,
+                     shared_vision_inputs)
 
 logger = logging.get_logger(__name__)
 
@@ -33,13 +37,14 @@ class _TrainerMultipackSampler(MultipackSampler, BatchRebalanceSampler):
         MultipackSampler.__init__(self, *args, **kwargs)
 
 
-def check_dataset_columns(dataset, name: str, accepted: tuple[set[str], ...], describe: str) -> None:
-    """Clear errors for vision datasets and missing columns, before TRL's preprocessing."""
+def check_dataset_columns(dataset, name: str, accepted: tuple[set[str], ...], describe: str,
+                          allow_images: bool = False) -> None:
+    """Clear errors for vision datasets (unless `allow_images`) and missing columns, before TRL's preprocessing."""
     if dataset is None:
         return
     if isinstance(dataset, dict):
         for key, value in dataset.items():
-            check_dataset_columns(value, f"{name}[{key!r}]", accepted, describe)
+            check_dataset_columns(value, f"{name}[{key!r}]", accepted, describe, allow_images)
         return
     if isinstance(dataset, Dataset):
         columns = set(dataset.column_names)
@@ -47,11 +52,11 @@ def check_dataset_columns(dataset, name: str, accepted: tuple[set[str], ...], de
         columns = set(next(iter(dataset)).keys())
     else:
         return  # TRL raises its own error for other types
-    if "image" in columns or "images" in columns:
+    if ("image" in columns or "images" in columns) and not allow_images:
         raise ValueError(
-            f"Prefix sharing does not support vision datasets ({name} has an image column): image tokens are expanded "
-            "inside the model, so the shared layout cannot be built from token ids. Train it with "
-            "`prefix_sharing=False`."
+            f"The {name} dataset has an image column: prefix sharing lays out images for DPO with a vision-language "
+            f"model ({', '.join(VISION_MODEL_TYPES)}) and its processor as `processing_class`; TRL 1.16's "
+            "RewardTrainer has no image support. Otherwise train it with `prefix_sharing=False`."
         )
     if not any(required <= columns for required in accepted):
         raise ValueError(f"The {name} dataset has columns {sorted(columns)}; {describe}")
@@ -89,14 +94,16 @@ class PrefixSharingTrainerMixin:
         """Prefix sharing and packing both run the model on rows built by `PrefixSharingCollator`."""
         return self.prefix_sharing or self.packing
 
-    @staticmethod
-    def _check_model_and_processor(model, args, processing_class, peft_config) -> None:
+    #: whether the TRL trainer has a vision path that prefix sharing lays out (DPO: yes; TRL 1.16's reward: no)
+    _supports_vision = False
+
+    def _check_model_and_processor(self, model, args, processing_class, peft_config) -> None:
         from transformers import ProcessorMixin
 
-        if isinstance(processing_class, ProcessorMixin):
+        if isinstance(processing_class, ProcessorMixin) and not self._supports_vision:
             raise ValueError(
-                "Prefix sharing does not support vision-language models (a processor was passed). Train them with "
-                "`prefix_sharing=False`."
+                f"{type(self).__name__} with prefix sharing does not support vision-language models (a processor was "
+                "passed): TRL 1.16's trainer has no image path to share. Train them with `prefix_sharing=False`."
             )
         if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
             raise ValueError(
@@ -110,7 +117,17 @@ class PrefixSharingTrainerMixin:
             config = AutoConfig.from_pretrained(model, trust_remote_code=args.trust_remote_code)
         else:
             config = model.config
-        check_supported_model(config)
+        self._check_architecture(config)
+
+    def _check_architecture(self, config) -> None:
+        """The architecture check: vision-language models (`vision.py`) or text models (`attention.py`)."""
+        if is_vision_config(config):
+            if not self._supports_vision:
+                raise ValueError(f"{type(self).__name__} with prefix sharing does not support vision-language models "
+                                 f"('{config.model_type}'). Train it with `prefix_sharing=False`.")
+            check_supported_vision_model(config)
+        else:
+            check_supported_model(config)
 
     # ----------------------------------------------------------------------------------------------- set-up
     def _layout_models(self) -> list:
@@ -129,7 +146,7 @@ class PrefixSharingTrainerMixin:
             self.args.prefix_sharing_attn_implementation, self.accelerator.device
         )
         for model in self._layout_models():
-            check_supported_model(model.config)
+            self._check_architecture(model.config)
             self._attention_switch.apply(model, self._attn_implementation)
             install_prefix_sharing_forward(model)
         if not isinstance(self.data_collator, PrefixSharingCollator):
@@ -224,7 +241,7 @@ class PrefixSharingTrainerMixin:
 
     # ----------------------------------------------------------------------------------------------- per step
     def _attach_attention_mask(self, inputs) -> None:
-        layout = inputs.get("prefix_sharing") if isinstance(inputs, dict) else None
+        layout = inputs.get("prefix_sharing") if isinstance(inputs, Mapping) else None
         if layout is None:
             if self._uses_layout:
                 raise RuntimeError("Prefix sharing is on but the batch has no layout: was the data collator replaced?")
@@ -233,6 +250,8 @@ class PrefixSharingTrainerMixin:
             layout["attention_mask"] = build_attention_mask(
                 layout, self._attn_implementation, unwrap_model(self.model).config
             )
+        if "vision" not in layout and has_vision_inputs(inputs):  # images once per pair, M-RoPE positions
+            layout["vision"] = shared_vision_inputs(unwrap_model(self.model), inputs, layout)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         self._attach_attention_mask(inputs)
