@@ -130,6 +130,24 @@ def shared_vision_inputs(model, inputs, layout) -> dict[str, torch.Tensor]:
     input_ids = inputs["input_ids"]
     shared_ids = layout["input_ids"]
 
+    pixel_values, grid = inputs.get("pixel_values"), inputs.get("image_grid_thw")
+    image_token_id = config.image_token_id
+    stock_tokens = (input_ids == image_token_id) & (index >= 0)
+    shared_tokens = shared_ids.reshape(-1) == image_token_id
+    if (pixel_values is None) != (grid is None) or (pixel_values is None and stock_tokens.any()):
+        raise ValueError("The batch has image tokens, `pixel_values` or `image_grid_thw` without the others.")
+    if grid is not None:
+        merge = config.vision_config.spatial_merge_size
+        tokens_per_image = (grid.prod(-1) // merge**2).tolist()
+        patches_per_image = grid.prod(-1).tolist()
+        if sum(tokens_per_image) != int(stock_tokens.sum()) or sum(patches_per_image) != pixel_values.shape[0]:
+            raise ValueError(
+                "Image features and image tokens do not match: the batch has "
+                f"{int(stock_tokens.sum())} image tokens for {sum(tokens_per_image)} image features (stock TRL fails "
+                "here too). A `max_length` that cuts into the prompt's image tokens causes it: raise `max_length` or "
+                "set it to None."
+            )
+
     stock_positions = _stock_position_ids(base_model, inputs)
     base_positions = layout["position_ids"].to(stock_positions.device).unsqueeze(0).expand(3, -1, -1)
     out = {"position_ids": _to_shared(stock_positions, index, base_positions, "M-RoPE positions")}
@@ -138,24 +156,8 @@ def shared_vision_inputs(model, inputs, layout) -> dict[str, torch.Tensor]:
     if mm_token_type_ids is not None:
         out["mm_token_type_ids"] = _to_shared(mm_token_type_ids, index, torch.zeros_like(shared_ids), "token types")
 
-    pixel_values, grid = inputs.get("pixel_values"), inputs.get("image_grid_thw")
-    image_token_id = config.image_token_id
-    stock_tokens = (input_ids == image_token_id) & (index >= 0)
-    shared_tokens = shared_ids.reshape(-1) == image_token_id
-    if pixel_values is None or grid is None:
-        if stock_tokens.any() or pixel_values is not None:
-            raise ValueError("The batch has image tokens or `pixel_values` without `image_grid_thw` (or the reverse).")
+    if grid is None:
         return out
-    merge = config.vision_config.spatial_merge_size
-    tokens_per_image = (grid.prod(-1) // merge**2).tolist()
-    patches_per_image = grid.prod(-1).tolist()
-    if sum(tokens_per_image) != int(stock_tokens.sum()) or sum(patches_per_image) != pixel_values.shape[0]:
-        raise ValueError(
-            "Image features and image tokens do not match: the batch has "
-            f"{int(stock_tokens.sum())} image tokens for {sum(tokens_per_image)} image features (stock TRL fails here "
-            "too). A `max_length` that cuts into the prompt's image tokens causes it: raise `max_length` or set it to "
-            "None."
-        )
     # where each stock image's tokens land in the shared rows (the model fills placeholders in row-major order)
     landing = index[stock_tokens].split(tokens_per_image)
     patch_slices = pixel_values.split(patches_per_image)
