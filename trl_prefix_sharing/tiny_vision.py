@@ -58,16 +58,18 @@ def make_vision_processor(family: str = "qwen2_vl", max_pixels: int = 64 * 64):
 
 
 def make_vision_config(family: str, tokenizer, hidden_size: int = 32, num_layers: int = 2, vision_depth: int = 2):
-    """A small config of one of `VISION_FAMILIES` (text: GQA, 4 query and 2 key/value heads, head_dim 8; M-RoPE
-    sections [2, 1, 1])."""
+    """A small config of one of `VISION_FAMILIES` (text: GQA, 4 query and 2 key/value heads; M-RoPE sections split
+    the rotary half of each head 2:1:1 between time, height and width, e.g. [2, 1, 1] at `hidden_size=32`)."""
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
 
     ids = tokenizer.convert_tokens_to_ids(VISION_SPECIAL_TOKENS)
+    quarter = hidden_size // 4 // 2 // 4  # head_dim = hidden_size / 4 heads; M-RoPE sections add up to head_dim / 2
+    mrope_section = [2 * quarter, quarter, quarter]
     text = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                 num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
                 max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id,
                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0})
+                rope_parameters={"rope_type": "default", "mrope_section": mrope_section, "rope_theta": 10000.0})
     vision = dict(depth=vision_depth, num_heads=2, patch_size=PATCH_SIZE, spatial_merge_size=2, temporal_patch_size=2)
     tokens = dict(image_token_id=ids[4], video_token_id=ids[5], vision_start_token_id=ids[2],
                   vision_end_token_id=ids[3], tie_word_embeddings=False)
