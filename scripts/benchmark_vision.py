@@ -110,7 +110,7 @@ def main():
         print(row, file=sys.stderr)
 
     lines = [
-        "| image tokens | image (px) | positions / step stock | shared | ratio | tower patches / step stock | shared "
+        "| image tokens | image (px) | LM positions / step, stock | shared | ratio | tower patches / forward, stock | shared "
         "| step CPU time stock (s) | shared (s) | speedup | wall-time speedup |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]

@@ -22,7 +22,7 @@ from .sampler import MultipackSampler
 from .stats import sharing_stats
 from .validation import validate_preference_rows
 from .vision import (VISION_MODEL_TYPES, check_supported_vision_model, has_vision_inputs, is_vision_config,
-                     shared_vision_inputs)
+                     shared_vision_inputs, vision_attn_implementation)
 
 logger = logging.get_logger(__name__)
 
@@ -145,6 +145,9 @@ class PrefixSharingTrainerMixin:
         self._attn_implementation = resolve_attn_implementation(
             self.args.prefix_sharing_attn_implementation, self.accelerator.device
         )
+        if any(is_vision_config(model.config) for model in self._layout_models()):
+            self._attn_implementation = vision_attn_implementation(self.args.prefix_sharing_attn_implementation,
+                                                                   self._attn_implementation)
         for model in self._layout_models():
             self._check_architecture(model.config)
             self._attention_switch.apply(model, self._attn_implementation)

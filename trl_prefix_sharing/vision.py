@@ -26,11 +26,15 @@ Only the families in :data:`VISION_MODEL_TYPES` are proven equal to stock TRL; o
 from __future__ import annotations
 
 import torch
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 __all__ = [
     "VISION_MODEL_TYPES",
     "is_vision_config",
     "check_supported_vision_model",
+    "vision_attn_implementation",
     "has_vision_inputs",
     "shared_vision_inputs",
     "substitute",
@@ -70,6 +74,23 @@ def check_supported_vision_model(config) -> None:
             f"Prefix sharing does not support sliding-window attention in vision-language models ('{model_type}' "
             "with `use_sliding_window=True`): not proven exact. Train it with `prefix_sharing=False`."
         )
+
+
+def vision_attn_implementation(requested: str, resolved: str) -> str:
+    """The attention for a vision-language model: SDPA with the dense mask. transformers 5.23's Qwen2-VL, Qwen2.5-VL
+    and Qwen3-VL do not accept `flex_attention`, so `"auto"` (FlexAttention on CUDA) becomes SDPA for them, and an
+    explicit `"flex_attention"` is an error."""
+    if resolved != "flex_attention":
+        return resolved
+    if requested == "auto":
+        logger.info("Vision-language models do not support FlexAttention in transformers: prefix sharing applies its "
+                    "mask densely through SDPA.")
+        return "sdpa"
+    raise ValueError(
+        f"The vision-language models prefix sharing supports ({', '.join(VISION_MODEL_TYPES)}) do not accept "
+        "`flex_attention` in transformers; set `prefix_sharing_attn_implementation='sdpa'` (or 'auto'), which applies "
+        "the same mask densely."
+    )
 
 
 def has_vision_inputs(inputs) -> bool:
