@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import trl
+from transformers import ProcessorMixin
 from transformers.utils import logging
 
 from .config import DPOConfig
@@ -61,8 +62,9 @@ class DPOTrainer(PrefixSharingTrainerMixin, trl.DPOTrainer):
             if not isinstance(args, DPOConfig):
                 raise TypeError("`prefix_sharing`/`packing` need `trl_prefix_sharing.DPOConfig` as `args`.")
             self._check_model_and_processor(model, args, processing_class, peft_config)
-            check_dataset_columns(train_dataset, "train", *DPO_COLUMNS, allow_images=True)
-            check_dataset_columns(eval_dataset, "eval", *DPO_COLUMNS, allow_images=True)
+            images = processing_class is None or isinstance(processing_class, ProcessorMixin)  # TRL's vision path
+            check_dataset_columns(train_dataset, "train", *DPO_COLUMNS, allow_images=images)
+            check_dataset_columns(eval_dataset, "eval", *DPO_COLUMNS, allow_images=images)
         super().__init__(
             model=model,
             ref_model=ref_model,
