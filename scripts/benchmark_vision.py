@@ -110,8 +110,8 @@ def main():
         print(row, file=sys.stderr)
 
     lines = [
-        "| image tokens | image (px) | LM positions / step, stock | shared | ratio | tower patches / forward, stock | shared "
-        "| step CPU time stock (s) | shared (s) | speedup | wall-time speedup |",
+        "| image tokens | image (px) | LM positions / step, stock | shared | ratio | tower patches / forward, stock "
+        "| shared | step CPU time stock (s) | shared (s) | speedup | wall-time speedup |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -19,8 +19,9 @@ inputs into the shared rows' ones:
   the copies of one image (checked equal, pixel for pixel) and are kept once.
 - ``mm_token_type_ids``: moved to the shared positions like every per-token input.
 
-The forward (:func:`trl_prefix_sharing.forward`) then substitutes these for the stock ones (:func:`substitute`).
-Only the families in :data:`VISION_MODEL_TYPES` are proven equal to stock TRL; others get a clear error.
+The prefix-shared forward (:mod:`trl_prefix_sharing.forward`) then substitutes these for the stock ones
+(:func:`substitute`). Only the families in :data:`VISION_MODEL_TYPES` are proven equal to stock TRL; others get a
+clear error.
 """
 
 from __future__ import annotations
