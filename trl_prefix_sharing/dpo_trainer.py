@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import trl
 from datasets import Dataset
+from transformers import ProcessorMixin
 from transformers.utils import logging
 
 from .config import DPOConfig
@@ -38,6 +39,7 @@ class DPOTrainer(PrefixSharingTrainerMixin, trl.DPOTrainer):
     logged metrics are weighted by the pairs (or completion tokens) each step averaged over.
     """
 
+    _supports_vision = True  # TRL's vision collator: images laid out by `trl_prefix_sharing.vision`
     _token_weighted_metrics = {"entropy": "all", "logits/chosen": "chosen", "logits/rejected": "rejected",
                                "mean_token_accuracy": "chosen"}
 
@@ -61,8 +63,9 @@ class DPOTrainer(PrefixSharingTrainerMixin, trl.DPOTrainer):
             if not isinstance(args, DPOConfig):
                 raise TypeError("`prefix_sharing`/`packing` need `trl_prefix_sharing.DPOConfig` as `args`.")
             self._check_model_and_processor(model, args, processing_class, peft_config)
-            check_dataset_columns(train_dataset, "train", *DPO_COLUMNS)
-            check_dataset_columns(eval_dataset, "eval", *DPO_COLUMNS)
+            images = processing_class is None or isinstance(processing_class, ProcessorMixin)  # TRL's vision path
+            check_dataset_columns(train_dataset, "train", *DPO_COLUMNS, allow_images=images)
+            check_dataset_columns(eval_dataset, "eval", *DPO_COLUMNS, allow_images=images)
         super().__init__(
             model=model,
             ref_model=ref_model,

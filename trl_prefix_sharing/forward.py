@@ -20,6 +20,7 @@ import types
 import torch
 
 from .layout import gather_to_stock, shared_labels
+from .vision import substitute as substitute_vision_inputs
 
 __all__ = ["install_prefix_sharing_forward", "remove_prefix_sharing_forward", "unwrap_model", "check_layout_matches"]
 
@@ -55,9 +56,10 @@ def check_layout_matches(layout: dict, input_ids: torch.Tensor, attention_mask: 
 def _shared_forward(original_forward, kwargs: dict, layout: dict):
     from trl.trainer.utils import FusedCausalLMOutput
 
-    for name in ("inputs_embeds", "position_ids", "shift_labels", "pixel_values"):
+    for name in ("inputs_embeds", "position_ids", "shift_labels"):
         if kwargs.get(name) is not None:
             raise ValueError(f"Prefix sharing builds its own inputs; `{name}` cannot be passed alongside the layout.")
+    position_ids = substitute_vision_inputs(kwargs, layout)  # images once per pair, M-RoPE rows (vision models)
     input_ids = kwargs.pop("input_ids")
     stock_attention_mask = kwargs.pop("attention_mask", None)
     labels = kwargs.pop("labels")
@@ -75,7 +77,7 @@ def _shared_forward(original_forward, kwargs: dict, layout: dict):
     outputs = original_forward(
         input_ids=layout["input_ids"],
         attention_mask=mask,
-        position_ids=layout["position_ids"],
+        position_ids=position_ids,
         shift_labels=shared_labels(layout, labels),
         **kwargs,
     )

@@ -7,6 +7,8 @@ pair-normalised loss, metric weighting and gathers that accept per-rank sizes. T
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from datasets import Dataset, IterableDataset
 from transformers.trainer_pt_utils import BatchRebalanceSampler
@@ -20,6 +22,7 @@ from .sampler import MultipackSampler
 from .stats import sharing_stats
 from .trainer_setup import SharingSetupMixin
 from .validation import validate_preference_rows
+from .vision import VISION_MODEL_TYPES, has_vision_inputs, shared_vision_inputs
 
 logger = logging.get_logger(__name__)
 
@@ -34,13 +37,14 @@ class _TrainerMultipackSampler(MultipackSampler, BatchRebalanceSampler):
         MultipackSampler.__init__(self, *args, **kwargs)
 
 
-def check_dataset_columns(dataset, name: str, accepted: tuple[set[str], ...], describe: str) -> None:
-    """Clear errors for vision datasets and missing columns, before TRL's preprocessing."""
+def check_dataset_columns(dataset, name: str, accepted: tuple[set[str], ...], describe: str,
+                          allow_images: bool = False) -> None:
+    """Clear errors for vision datasets (unless `allow_images`) and missing columns, before TRL's preprocessing."""
     if dataset is None:
         return
     if isinstance(dataset, dict):
         for key, value in dataset.items():
-            check_dataset_columns(value, f"{name}[{key!r}]", accepted, describe)
+            check_dataset_columns(value, f"{name}[{key!r}]", accepted, describe, allow_images)
         return
     if isinstance(dataset, Dataset):
         columns = set(dataset.column_names)
@@ -48,11 +52,11 @@ def check_dataset_columns(dataset, name: str, accepted: tuple[set[str], ...], de
         columns = set(next(iter(dataset)).keys())
     else:
         return  # TRL raises its own error for other types
-    if "image" in columns or "images" in columns:
+    if ("image" in columns or "images" in columns) and not allow_images:
         raise ValueError(
-            f"Prefix sharing does not support vision datasets ({name} has an image column): image tokens are expanded "
-            "inside the model, so the shared layout cannot be built from token ids. Train it with "
-            "`prefix_sharing=False`."
+            f"The {name} dataset has an image column: prefix sharing lays out images for DPO with a vision-language "
+            f"model ({', '.join(VISION_MODEL_TYPES)}) and its processor as `processing_class`; TRL 1.16's "
+            "RewardTrainer has no image support. Otherwise train it with `prefix_sharing=False`."
         )
     if not any(required <= columns for required in accepted):
         raise ValueError(f"The {name} dataset has columns {sorted(columns)}; {describe}")
@@ -206,7 +210,7 @@ class PrefixSharingTrainerMixin(SharingSetupMixin):
 
     # ----------------------------------------------------------------------------------------------- per step
     def _attach_attention_mask(self, inputs) -> None:
-        layout = inputs.get("prefix_sharing") if isinstance(inputs, dict) else None
+        layout = inputs.get("prefix_sharing") if isinstance(inputs, Mapping) else None
         if layout is None:
             if self._uses_layout:
                 raise RuntimeError("Prefix sharing is on but the batch has no layout: was the data collator replaced?")
@@ -215,6 +219,8 @@ class PrefixSharingTrainerMixin(SharingSetupMixin):
             layout["attention_mask"] = build_attention_mask(
                 layout, self._attn_implementation, unwrap_model(self.model).config
             )
+        if "vision" not in layout and has_vision_inputs(inputs):  # images once per pair, M-RoPE positions
+            layout["vision"] = shared_vision_inputs(unwrap_model(self.model), inputs, layout)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         self._attach_attention_mask(inputs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from .attention import AttentionSwitch, check_supported_model, resolve_attn_implementation
 from .forward import install_prefix_sharing_forward, remove_prefix_sharing_forward, unwrap_model
+from .vision import check_supported_vision_model, is_vision_config, vision_attn_implementation
 
 __all__ = ["SharingSetupMixin"]
 
@@ -22,13 +23,16 @@ class SharingSetupMixin:
     def prefix_sharing(self) -> bool:
         return bool(getattr(self.args, "prefix_sharing", False))
 
-    @staticmethod
-    def _check_model_and_processor(model, args, processing_class, peft_config) -> None:
+    #: whether the trainer lays out images for prefix sharing (DPO: yes; reward, GRPO, RLOO, online DPO: no)
+    _supports_vision = False
+
+    def _check_model_and_processor(self, model, args, processing_class, peft_config) -> None:
         from transformers import ProcessorMixin
 
-        if isinstance(processing_class, ProcessorMixin):
+        if isinstance(processing_class, ProcessorMixin) and not self._supports_vision:
             raise ValueError(
-                "Prefix sharing does not support vision-language models (a processor was passed). Train them with "
+                f"{type(self).__name__} with prefix sharing does not lay out images (a processor was passed): "
+                "prefix sharing covers vision-language models in DPOTrainer only. Train this one with "
                 "`prefix_sharing=False`."
             )
         if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
@@ -43,7 +47,17 @@ class SharingSetupMixin:
             config = AutoConfig.from_pretrained(model, trust_remote_code=args.trust_remote_code)
         else:
             config = model.config
-        check_supported_model(config)
+        self._check_architecture(config)
+
+    def _check_architecture(self, config) -> None:
+        """The architecture check: vision-language models (`vision.py`) or text models (`attention.py`)."""
+        if is_vision_config(config):
+            if not self._supports_vision:
+                raise ValueError(f"{type(self).__name__} with prefix sharing does not support vision-language models "
+                                 f"('{config.model_type}'). Train it with `prefix_sharing=False`.")
+            check_supported_vision_model(config)
+        else:
+            check_supported_model(config)
 
     def _layout_models(self) -> list:
         models = [unwrap_model(self.model)]
@@ -58,8 +72,11 @@ class SharingSetupMixin:
         self._attn_implementation = resolve_attn_implementation(
             self.args.prefix_sharing_attn_implementation, self.accelerator.device
         )
+        if any(is_vision_config(model.config) for model in self._layout_models()):
+            self._attn_implementation = vision_attn_implementation(self.args.prefix_sharing_attn_implementation,
+                                                                   self._attn_implementation)
         for model in self._layout_models():
-            check_supported_model(model.config)
+            self._check_architecture(model.config)
             self._attention_switch.apply(model, self._attn_implementation)
             install_prefix_sharing_forward(model)
 
