@@ -119,7 +119,7 @@ def run_pair(kind, tmp_path, model, tokenizer, dataset=None, peft_config=None, *
                                      peft_config=copy.deepcopy(peft_config), **overrides)) for ours in (False, True)]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen3 and mistral train in the option tests below
 def test_grpo_training_matches_stock(tmp_path, tokenizer, model_dirs, family):
     """Default loss (`dapo`), one micro-batch per generation: every logged number and the final weights."""
     stock, shared = run_pair("grpo", tmp_path, model_dirs[family], tokenizer)
