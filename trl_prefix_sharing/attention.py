@@ -25,11 +25,14 @@ __all__ = [
     "resolve_attn_implementation",
     "AttentionSwitch",
     "build_attention_mask",
+    "shared_row_multiple",
 ]
 
 #: Architectures whose attention is proven equal to stock TRL under prefix sharing (tests/test_dpo_equivalence.py).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ATTN_IMPLEMENTATIONS = ("auto", "flex_attention", "sdpa")
+#: FlexAttention's block size (`create_block_mask`'s default): the width shared rows are rounded to under FlexAttention.
+FLEX_ROW_MULTIPLE = 128
 
 
 def check_supported_model(config) -> None:
@@ -74,6 +77,18 @@ def resolve_attn_implementation(requested: str, device: torch.device) -> str:
                 "mask densely through scaled_dot_product_attention."
             )
     return requested
+
+
+def shared_row_multiple(attn_implementation: str, pad_to_multiple_of: int | None) -> int | None:
+    """What the shared rows' width is rounded up to: the user's `pad_to_multiple_of`, else, under FlexAttention,
+    its block size (128). The compiled `create_block_mask` and FlexAttention are specialised to shapes; a width per
+    batch can only compile again (or, where dynamic shapes fail, past `torch._dynamo.config.recompile_limit` fall back
+    to eager FlexAttention, which materialises the full score matrix). Block multiples leave a few widths, add no
+    attention blocks (a partial block is computed whole) and at most 127 padding tokens per row to the linear layers.
+    `pad_to_multiple_of=1` turns it off."""
+    if pad_to_multiple_of is not None:
+        return pad_to_multiple_of
+    return FLEX_ROW_MULTIPLE if attn_implementation == "flex_attention" else None
 
 
 class AttentionSwitch:

@@ -12,7 +12,13 @@ from datasets import Dataset, IterableDataset
 from transformers.trainer_pt_utils import BatchRebalanceSampler
 from transformers.utils import logging
 
-from .attention import AttentionSwitch, build_attention_mask, check_supported_model, resolve_attn_implementation
+from .attention import (
+    AttentionSwitch,
+    build_attention_mask,
+    check_supported_model,
+    resolve_attn_implementation,
+    shared_row_multiple,
+)
 from .collator import PrefixSharingCollator, unit_lengths
 from .distributed import gather_variable, variable_size_gathers
 from .forward import install_prefix_sharing_forward, remove_prefix_sharing_forward, unwrap_model
@@ -137,7 +143,7 @@ class PrefixSharingTrainerMixin:
                 self.data_collator,
                 pad_token_id=self.processing_class.pad_token_id if hasattr(self.processing_class, "pad_token_id")
                 else self.processing_class.tokenizer.pad_token_id,
-                pad_to_multiple_of=self.args.pad_to_multiple_of,
+                pad_to_multiple_of=shared_row_multiple(self._attn_implementation, self.args.pad_to_multiple_of),
                 share_prefix=self.prefix_sharing,
             )
         if self.packing:

@@ -1,0 +1,63 @@
+"""Compile stability of the CUDA path, guarded on CPU: the trainer set up as on CUDA (FlexAttention, compiled
+`create_block_mask`, transformers' compiled `flex_attention`, shared rows rounded to FlexAttention's block size) runs
+forward passes over 39 batches of varying lengths, policy and reference passes, training and evaluation mode. Every
+loss and metric equals stock TRL's (dense SDPA rows); each compiled function needs at most 3 variants; FlexAttention
+never runs uncompiled. (CPU has FlexAttention's forward, not its backward: tests/test_cuda.py trains through it.)"""
+
+import functools
+
+import torch
+from compile_watch import CompileWatch, compile_schedule
+from equivalence import make_trainers
+
+from trl_prefix_sharing import attention, mask, sharing_trainer
+from trl_prefix_sharing.tiny import synthetic_pairs
+
+#: compiled variants each of `create_block_mask` and `flex_attention` may need: the first shape, the row count made
+#: dynamic (a shorter last batch), one row (dynamo specialises sizes 0 and 1). The shared width stays one bucket.
+MAX_VARIANTS = 3
+
+
+def as_on_cuda(monkeypatch):
+    """The trainer's own CUDA set-up, on CPU: FlexAttention (refused on CPU only because it has no backward there)
+    and the compiled `create_block_mask` (compiled by default on CUDA only)."""
+    monkeypatch.setattr(sharing_trainer, "resolve_attn_implementation", lambda requested, device: "flex_attention")
+    monkeypatch.setattr(attention, "block_mask", functools.partial(mask.block_mask, compile=True))
+
+
+def forward(trainer, examples, mode):
+    trainer.model.train(mode == "train")
+    trainer._metrics[mode].clear()
+    batch = trainer._prepare_inputs(trainer.data_collator(examples))
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, batch)
+    return loss, {key: values[-1] for key, values in trainer._metrics[mode].items()}, batch
+
+
+def test_flex_attention_compiles_a_bounded_number_of_times_and_equals_stock(tmp_path, tokenizer, monkeypatch):
+    as_on_cuda(monkeypatch)
+    # documents of 5 to 112 tokens: the raw shared widths vary from batch to batch, all within one 128-token bucket
+    train, evaluation = synthetic_pairs(46, (1, 50), (1, 30), seed=5), synthetic_pairs(9, (1, 50), (1, 30), seed=6)
+    stock, shared = make_trainers(tmp_path, "llama", train, tokenizer, eval_dataset=evaluation)
+    assert shared._attn_implementation == "flex_attention" and shared.data_collator.pad_to_multiple_of == 128
+    datasets = {"train": (stock.train_dataset, shared.train_dataset), "eval": (stock.eval_dataset, shared.eval_dataset)}
+    schedule = compile_schedule(len(train), len(evaluation), batch_size=4, steps=30, eval_every=10)
+    widths, rows = set(), set()
+    with CompileWatch(monkeypatch) as watch:
+        for mode, indices in schedule:
+            stock_data, shared_data = datasets[mode]
+            stock_loss, stock_metrics, _ = forward(stock, [stock_data[i] for i in indices], mode)
+            loss, metrics, batch = forward(shared, [shared_data[i] for i in indices], mode)
+            layout = batch["prefix_sharing"]
+            assert type(layout["attention_mask"]).__name__ == "BlockMask"
+            widths.add(int((layout["document_ids"] >= 0).sum(1).max()))
+            rows.add(layout["input_ids"].shape[0])
+            torch.testing.assert_close(loss, stock_loss, atol=1e-5, rtol=1e-5)
+            assert {"logps/chosen", "logps/rejected", "rewards/margins"} <= set(stock_metrics)
+            for key, value in stock_metrics.items():
+                torch.testing.assert_close(torch.tensor(float(metrics[key])), torch.tensor(float(value)), atol=1e-5,
+                                           rtol=1e-5, msg=lambda m, key=key: f"{mode} metric {key}: {m}")
+        report = watch.assert_compiled_and_bounded(MAX_VARIANTS)
+    assert len(schedule) >= 30 and len(widths) >= 10 and rows == {1, 2, 4}, (len(schedule), widths, rows)
+    print(f"compile report over {len(schedule)} batches (widths {min(widths)}-{max(widths)}, rows {sorted(rows)}):",
+          report)
