@@ -126,9 +126,12 @@ def _sliding_window_layout(config) -> tuple[int | None, bool]:
     return window, "full_attention" in layer_types
 
 
+@torch.no_grad()
 def build_attention_mask(layout: dict[str, torch.Tensor], attn_implementation: str, config):
     """The mask object for one shared batch: a ``BlockMask`` or a dense boolean tensor, or a per-layer-type dict when
-    the model mixes full and sliding-window layers (Qwen2/Qwen3 with ``use_sliding_window``)."""
+    the model mixes full and sliding-window layers (Qwen2/Qwen3 with ``use_sliding_window``). Built without autograd
+    (a mask has no gradient), so the compiled `create_block_mask` sees one grad mode in training and evaluation steps
+    alike (dynamo compiles a variant per grad mode)."""
     document_ids, branch_ids = layout["document_ids"], layout["branch_ids"]
     position_ids = layout["position_ids"]
     n, s = document_ids.shape
