@@ -1,7 +1,7 @@
 """Compile stability of the CUDA path, guarded on CPU: the trainer set up as on CUDA (FlexAttention, compiled
 `create_block_mask`, transformers' compiled `flex_attention`, shared rows rounded to FlexAttention's block size) runs
-forward passes over 39 batches of varying lengths, policy and reference passes, training and evaluation mode. Every
-loss and metric equals stock TRL's (dense SDPA rows); each compiled function needs at most 3 variants; FlexAttention
+forward passes over 36 batches of varying lengths, policy and reference passes, training and evaluation mode. Every
+loss and metric equals stock TRL's (dense SDPA rows); each compiled function needs at most 2 variants; FlexAttention
 never runs uncompiled. (CPU has FlexAttention's forward, not its backward: tests/test_cuda.py trains through it.)"""
 
 import functools
@@ -13,9 +13,11 @@ from equivalence import make_trainers
 from trl_prefix_sharing import attention, mask, sharing_trainer
 from trl_prefix_sharing.tiny import synthetic_pairs
 
-#: compiled variants each of `create_block_mask` and `flex_attention` may need: the first shape, the row count made
-#: dynamic (a shorter last batch), one row (dynamo specialises sizes 0 and 1). The shared width stays one bucket.
-MAX_VARIANTS = 3
+#: compiled variants each of `create_block_mask` and `flex_attention` may need: the first shape, and the row count
+#: made dynamic by the epoch's shorter last batch. The shared width stays in one bucket: on CPU a dynamic width hits a
+#: torch 2.13 bug in the CPU FlexAttention kernel (docs/benchmarks/gpu_tests.md); tests/test_cuda.py crosses buckets
+#: and adds a one-row batch (dynamo specialises sizes 0 and 1). Each compilation costs 10-20 s of CPU here.
+MAX_VARIANTS = 2
 
 
 def as_on_cuda(monkeypatch):
@@ -37,7 +39,7 @@ def forward(trainer, examples, mode):
 def test_flex_attention_compiles_a_bounded_number_of_times_and_equals_stock(tmp_path, tokenizer, monkeypatch):
     as_on_cuda(monkeypatch)
     # documents of 5 to 112 tokens: the raw shared widths vary from batch to batch, all within one 128-token bucket
-    train, evaluation = synthetic_pairs(46, (1, 50), (1, 30), seed=5), synthetic_pairs(9, (1, 50), (1, 30), seed=6)
+    train, evaluation = synthetic_pairs(46, (1, 50), (1, 30), seed=5), synthetic_pairs(8, (1, 50), (1, 30), seed=6)
     stock, shared = make_trainers(tmp_path, "llama", train, tokenizer, eval_dataset=evaluation)
     assert shared._attn_implementation == "flex_attention" and shared.data_collator.pad_to_multiple_of == 128
     datasets = {"train": (stock.train_dataset, shared.train_dataset), "eval": (stock.eval_dataset, shared.eval_dataset)}
@@ -58,6 +60,13 @@ def test_flex_attention_compiles_a_bounded_number_of_times_and_equals_stock(tmp_
                 torch.testing.assert_close(torch.tensor(float(metrics[key])), torch.tensor(float(value)), atol=1e-5,
                                            rtol=1e-5, msg=lambda m, key=key: f"{mode} metric {key}: {m}")
         report = watch.assert_compiled_and_bounded(MAX_VARIANTS)
-    assert len(schedule) >= 30 and len(widths) >= 10 and rows == {1, 2, 4}, (len(schedule), widths, rows)
+    assert len(schedule) >= 30 and len(widths) >= 10 and rows == {2, 4}, (len(schedule), widths, rows)
     print(f"compile report over {len(schedule)} batches (widths {min(widths)}-{max(widths)}, rows {sorted(rows)}):",
           report)
+
+
+def test_shared_rows_are_rounded_to_the_flex_block_size_unless_set():
+    assert attention.shared_row_multiple("flex_attention", None) == 128
+    assert attention.shared_row_multiple("flex_attention", 1) == 1  # rounding off
+    assert attention.shared_row_multiple("flex_attention", 64) == 64
+    assert attention.shared_row_multiple("sdpa", None) is None  # dense attention: no extra padding
