@@ -32,6 +32,8 @@ class CompileWatch:
     def __init__(self, monkeypatch):
         self.monkeypatch = monkeypatch
         self.training_flags: set[bool] = set()
+        self.switches = 0  # how often consecutive FlexAttention calls switched between training and eval mode
+        self._last_flag = None
         self.limit_warnings: list[str] = []
 
     def __enter__(self):
@@ -46,6 +48,8 @@ class CompileWatch:
         @functools.wraps(original)
         def spy(*args, training=False, **kwargs):
             self.training_flags.add(bool(training))
+            self.switches += self._last_flag is not None and self._last_flag != bool(training)
+            self._last_flag = bool(training)
             return original(*args, training=training, **kwargs)
 
         self.monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention", spy)
@@ -81,6 +85,7 @@ class CompileWatch:
             "unique_graphs": counters["stats"]["unique_graphs"] - self._graphs,
             "graph_breaks": sum(counters["graph_break"].values()) - self._breaks,
             "training_flags": sorted(self.training_flags),
+            "train_eval_switches": self.switches,
             "eager_flex_warnings": self.eager_flex_warnings(),
             "recompile_limit_warnings": len(self.limit_warnings),
         }

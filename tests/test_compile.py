@@ -41,6 +41,8 @@ def test_flex_attention_compiles_a_bounded_number_of_times_and_equals_stock(tmp_
     # documents of 5 to 112 tokens: the raw shared widths vary from batch to batch, all within one 128-token bucket
     train, evaluation = synthetic_pairs(46, (1, 50), (1, 30), seed=5), synthetic_pairs(8, (1, 50), (1, 30), seed=6)
     stock, shared = make_trainers(tmp_path, "llama", train, tokenizer, eval_dataset=evaluation)
+    for trainer in (stock, shared):
+        trainer.ref_model.eval()  # as `from_pretrained` leaves it: every step switches FlexAttention's training flag
     assert shared._attn_implementation == "flex_attention" and shared.data_collator.pad_to_multiple_of == 128
     datasets = {"train": (stock.train_dataset, shared.train_dataset), "eval": (stock.eval_dataset, shared.eval_dataset)}
     schedule = compile_schedule(len(train), len(evaluation), batch_size=4, steps=30, eval_every=10)
@@ -60,6 +62,7 @@ def test_flex_attention_compiles_a_bounded_number_of_times_and_equals_stock(tmp_
                 torch.testing.assert_close(torch.tensor(float(metrics[key])), torch.tensor(float(value)), atol=1e-5,
                                            rtol=1e-5, msg=lambda m, key=key: f"{mode} metric {key}: {m}")
         report = watch.assert_compiled_and_bounded(MAX_VARIANTS)
+    assert report["train_eval_switches"] >= 2 * 30 - 1  # policy (train), then reference (eval), every training step
     assert len(schedule) >= 30 and len(widths) >= 10 and rows == {2, 4}, (len(schedule), widths, rows)
     print(f"compile report over {len(schedule)} batches (widths {min(widths)}-{max(widths)}, rows {sorted(rows)}):",
           report)
@@ -70,3 +73,24 @@ def test_shared_rows_are_rounded_to_the_flex_block_size_unless_set():
     assert attention.shared_row_multiple("flex_attention", 1) == 1  # rounding off
     assert attention.shared_row_multiple("flex_attention", 64) == 64
     assert attention.shared_row_multiple("sdpa", None) is None  # dense attention: no extra padding
+
+
+def test_full_and_sliding_layers_share_one_compiled_variant(tmp_path, tokenizer, monkeypatch):
+    """A model mixing full and sliding-window layers gets two BlockMasks per step, and batches shorter than the window
+    need none: one mask structure (the window a tensor) keeps all of them to one compiled variant (two before)."""
+    as_on_cuda(monkeypatch)
+    short, long = synthetic_pairs(4, (1, 4), (1, 4), seed=7), synthetic_pairs(8, (20, 40), (5, 20), seed=8)
+    config_kwargs = {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}
+    trainers = [make_trainers(tmp_path, "qwen3", data, tokenizer, config_kwargs=config_kwargs) for data in (short, long)]
+    with CompileWatch(monkeypatch) as watch:
+        for (stock, shared), batches in zip(trainers, ([range(4)], [range(4), range(4, 8)])):
+            for trainer in (stock, shared):
+                trainer.ref_model.eval()
+            for indices in batches:
+                stock_loss, _, _ = forward(stock, [stock.train_dataset[i] for i in indices], "train")
+                loss, _, batch = forward(shared, [shared.train_dataset[i] for i in indices], "train")
+                torch.testing.assert_close(loss, stock_loss, atol=1e-5, rtol=1e-5)
+                assert batch["prefix_sharing"]["input_ids"].shape == (4, 128)
+                assert set(batch["prefix_sharing"]["attention_mask"]) == {"full_attention", "sliding_attention"}
+        report = watch.assert_compiled_and_bounded(1)
+    print("full and sliding layers:", report)

@@ -160,6 +160,8 @@ def test_compiles_a_bounded_number_of_times_over_training_and_evaluation(tmp_pat
     # documents of 5 to about 250 tokens: widths vary per batch and cross the first 128-token bucket
     train, evaluation = synthetic_pairs(46, (1, 150), (1, 50), seed=5), synthetic_pairs(9, (1, 150), (1, 50), seed=6)
     stock, shared = make_trainers(tmp_path, "llama", train, tokenizer, eval_dataset=evaluation, **ON_GPU)
+    for trainer in (stock, shared):
+        trainer.ref_model.eval()  # as `from_pretrained` leaves it: every step switches FlexAttention's training flag
     datasets = {"train": (stock.train_dataset, shared.train_dataset), "eval": (stock.eval_dataset, shared.eval_dataset)}
     schedule = compile_schedule(len(train), len(evaluation), batch_size=4, steps=30, eval_every=10)
     widths = set()
@@ -183,6 +185,7 @@ def test_compiles_a_bounded_number_of_times_over_training_and_evaluation(tmp_pat
             _check_flex(shared, batch)
             widths.add(batch["prefix_sharing"]["input_ids"].shape[1])
         report = watch.assert_compiled_and_bounded(MAX_VARIANTS)
+    assert report["train_eval_switches"] >= 2 * 30 - 1
     assert len(schedule) >= 30 and len(widths) >= 2, widths  # more than one 128-token bucket
     print(f"compile report over {len(schedule)} batches (widths {sorted(widths)}):", report)
 
@@ -195,6 +198,7 @@ def test_long_row_step_does_not_materialise_the_score_matrix(tmp_path, tokenizer
     stock, shared = make_trainers(tmp_path, "qwen3", dataset, tokenizer, **ON_GPU,
                                   config_kwargs={"max_position_embeddings": 2 * length},
                                   ours={"prefix_sharing": True, "packing": True, "packing_length": length})
+    shared.ref_model.eval()
     examples = [row for row in shared.train_dataset]
     with CompileWatch(monkeypatch) as watch:
         step(shared, examples)  # compile first

@@ -145,6 +145,15 @@ def build_attention_mask(layout: dict[str, torch.Tensor], attn_implementation: s
         raise ValueError(f"No prefix-sharing mask for attention implementation {attn_implementation!r}.")
 
     window, mixed = _sliding_window_layout(config)
+    if attn_implementation == "flex_attention" and window is not None:
+        # One mask_mod structure for every batch and layer type, the window a tensor (full layers: one that never
+        # bites): compiled code is specialised to a mask_mod's structure and Python numbers, not to tensor values, so
+        # full and sliding layers, short and long batches share compiled variants (else each doubles them).
+        sliding = make(torch.tensor(window, device=document_ids.device))
+        if not mixed:
+            return sliding
+        return {"full_attention": make(torch.tensor(torch.iinfo(torch.long).max, device=document_ids.device)),
+                "sliding_attention": sliding}
     if window is not None and int(position_ids.max()) < window:
         window = None  # no query is `window` positions away from any key: the window changes nothing
     full = make(None) if window is None or mixed else None
