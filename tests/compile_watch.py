@@ -27,7 +27,7 @@ class CompileWatch:
     """Within the block: compiled variants (dynamo cache entries) of `create_block_mask` and `flex_attention`, graph
     breaks, dynamo's recompile-limit warnings, eager FlexAttention warnings, and the `training` flags transformers'
     compiled FlexAttention was called with (policy passes in train mode, reference and evaluation passes in eval mode).
-    Resets dynamo on entry so that earlier tests' compilations do not count."""
+    Resets dynamo on entry and exit, so that no other test's compilations count here or leak out."""
 
     def __init__(self, monkeypatch):
         self.monkeypatch = monkeypatch
@@ -70,6 +70,7 @@ class CompileWatch:
     def __exit__(self, *exc):
         self._warnings.__exit__(*exc)
         logging.getLogger("torch._dynamo").removeHandler(self._handler)
+        torch._dynamo.reset()  # later tests start from nothing compiled (no shapes already made dynamic)
         return False
 
     def variants(self) -> dict[str, int]:
