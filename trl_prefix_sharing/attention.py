@@ -25,11 +25,14 @@ __all__ = [
     "resolve_attn_implementation",
     "AttentionSwitch",
     "build_attention_mask",
+    "shared_row_multiple",
 ]
 
 #: Architectures whose attention is proven equal to stock TRL under prefix sharing (tests/test_dpo_equivalence.py).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ATTN_IMPLEMENTATIONS = ("auto", "flex_attention", "sdpa")
+#: FlexAttention's block size (`create_block_mask`'s default): the width shared rows are rounded to under FlexAttention.
+FLEX_ROW_MULTIPLE = 128
 
 
 def check_supported_model(config) -> None:
@@ -76,6 +79,18 @@ def resolve_attn_implementation(requested: str, device: torch.device) -> str:
     return requested
 
 
+def shared_row_multiple(attn_implementation: str, pad_to_multiple_of: int | None) -> int | None:
+    """What the shared rows' width is rounded up to: the user's `pad_to_multiple_of`, else, under FlexAttention,
+    its block size (128). The compiled `create_block_mask` and FlexAttention are specialised to shapes; a width per
+    batch can only compile again (or, where dynamic shapes fail, past `torch._dynamo.config.recompile_limit` fall back
+    to eager FlexAttention, which materialises the full score matrix). Block multiples leave a few widths, add no
+    attention blocks (a partial block is computed whole) and at most 127 padding tokens per row to the linear layers.
+    `pad_to_multiple_of=1` turns it off."""
+    if pad_to_multiple_of is not None:
+        return pad_to_multiple_of
+    return FLEX_ROW_MULTIPLE if attn_implementation == "flex_attention" else None
+
+
 class AttentionSwitch:
     """Set the attention implementation of given models, remembering the old one so it can be put back."""
 
@@ -111,9 +126,12 @@ def _sliding_window_layout(config) -> tuple[int | None, bool]:
     return window, "full_attention" in layer_types
 
 
+@torch.no_grad()
 def build_attention_mask(layout: dict[str, torch.Tensor], attn_implementation: str, config):
     """The mask object for one shared batch: a ``BlockMask`` or a dense boolean tensor, or a per-layer-type dict when
-    the model mixes full and sliding-window layers (Qwen2/Qwen3 with ``use_sliding_window``)."""
+    the model mixes full and sliding-window layers (Qwen2/Qwen3 with ``use_sliding_window``). Built without autograd
+    (a mask has no gradient), so the compiled `create_block_mask` sees one grad mode in training and evaluation steps
+    alike (dynamo compiles a variant per grad mode)."""
     document_ids, branch_ids = layout["document_ids"], layout["branch_ids"]
     position_ids = layout["position_ids"]
     n, s = document_ids.shape
@@ -127,6 +145,15 @@ def build_attention_mask(layout: dict[str, torch.Tensor], attn_implementation: s
         raise ValueError(f"No prefix-sharing mask for attention implementation {attn_implementation!r}.")
 
     window, mixed = _sliding_window_layout(config)
+    if attn_implementation == "flex_attention" and window is not None:
+        # One mask_mod structure for every batch and layer type, the window a tensor (full layers: one that never
+        # bites): compiled code is specialised to a mask_mod's structure and Python numbers, not to tensor values, so
+        # full and sliding layers, short and long batches share compiled variants (else each doubles them).
+        sliding = make(torch.tensor(window, device=document_ids.device))
+        if not mixed:
+            return sliding
+        return {"full_attention": make(torch.tensor(torch.iinfo(torch.long).max, device=document_ids.device)),
+                "sliding_attention": sliding}
     if window is not None and int(position_ids.max()) < window:
         window = None  # no query is `window` positions away from any key: the window changes nothing
     full = make(None) if window is None or mixed else None

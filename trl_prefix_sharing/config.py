@@ -22,7 +22,8 @@ _SHARING_DOC = """
         `"sdpa"` (the same mask, dense, through `scaled_dot_product_attention`; any device), or `"auto"`
         (FlexAttention on CUDA, SDPA elsewhere). The trainer switches the attention implementation of the models it
         holds (undone by `trainer.remove_prefix_sharing()`); no custom attention name is registered, so saved configs
-        are unaffected.
+        are unaffected. Under FlexAttention the shared rows' width is rounded up to a multiple of 128 (its block size)
+        unless `pad_to_multiple_of` is set (`1`: no rounding), so its compiled kernels see few distinct shapes.
 """
 
 _PACKING_DOC = """

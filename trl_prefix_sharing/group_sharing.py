@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from transformers.utils import logging
 
-from .attention import build_attention_mask
+from .attention import build_attention_mask, shared_row_multiple
 from .forward import unwrap_model
 from .layout import build_shared_batch, groups_by_prefix
 from .trainer_setup import SharingSetupMixin
@@ -84,7 +84,7 @@ class _SharedRowsModel:
         trainer = self.trainer
         input_ids, attention_mask = kwargs["input_ids"], kwargs["attention_mask"]
         layout = shared_group_layout(input_ids, attention_mask, input_ids.shape[1] - self.logits_to_keep,
-                                     trainer._pad_token_id, trainer.args.pad_to_multiple_of)
+                                     trainer._pad_token_id, trainer._row_multiple)
         layout["attention_mask"] = build_attention_mask(layout, trainer._attn_implementation,
                                                         unwrap_model(trainer.model).config)
         if torch.is_grad_enabled():
@@ -113,6 +113,7 @@ class GroupSharingTrainerMixin(SharingSetupMixin):
             tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
             self._pad_token_id = tokenizer.pad_token_id
             self._patch_models()
+            self._row_multiple = shared_row_multiple(self._attn_implementation, self.args.pad_to_multiple_of)
 
     def remove_prefix_sharing(self) -> None:
         """Undo the model patches; the trainer then trains as stock TRL."""

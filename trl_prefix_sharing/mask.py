@@ -66,8 +66,9 @@ def prefix_or_same_branch(branch_ids: torch.Tensor):
     return mask_mod
 
 
-def sliding_window(position_ids: torch.Tensor, window: int):
-    """Sliding-window attention measured in the original positions (as transformers does: ``q - kv < window``)."""
+def sliding_window(position_ids: torch.Tensor, window: int | torch.Tensor):
+    """Sliding-window attention measured in the original positions (as transformers does: ``q - kv < window``).
+    ``window`` may be a 0-d tensor (on the ids' device), which compiled code does not specialise on."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         return position_ids[b, q_idx] - position_ids[b, kv_idx] < window
@@ -85,7 +86,7 @@ def visible_key(key_visible: torch.Tensor):
 
 
 def dpo_mask(document_ids: torch.Tensor, branch_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-             window: int | None = None, key_visible: torch.Tensor | None = None):
+             window: int | torch.Tensor | None = None, key_visible: torch.Tensor | None = None):
     """The prefix-sharing ``mask_mod``: causal, same document, prefix or own branch (and an optional sliding window,
     and invisible padding keys where the layout scores stock's padding).
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from trl.experimental.online_dpo import OnlineDPOConfig as _TRLOnlineDPOConfig
 from trl.experimental.online_dpo import OnlineDPOTrainer as _TRLOnlineDPOTrainer
 
-from .attention import build_attention_mask
+from .attention import build_attention_mask, shared_row_multiple
 from .config import _SHARING_DOC, PrefixSharingArguments
 from .forward import unwrap_model
 from .group_sharing import shared_group_layout
@@ -55,6 +55,8 @@ class OnlineDPOTrainer(SharingSetupMixin, _TRLOnlineDPOTrainer):
             self._check_model_and_processor(self.model, self.args, self.processing_class, None)
             self._pad_token_id = self._tokenizer.pad_token_id
             self._patch_models()
+            self._row_multiple = shared_row_multiple(self._attn_implementation,
+                                                     getattr(self.args, "pad_to_multiple_of", None))
 
     # ----------------------------------------------------------------------------------------------- set-up
     def _patch_models(self) -> None:
@@ -101,7 +103,7 @@ class OnlineDPOTrainer(SharingSetupMixin, _TRLOnlineDPOTrainer):
         input_ids = torch.cat((prompt_ids, completion_ids), dim=1)
         attention_mask = torch.cat((prompt_mask, completion_mask), dim=1)
         layout = shared_group_layout(input_ids, attention_mask, prompt_length, self._pad_token_id,
-                                     getattr(self.args, "pad_to_multiple_of", None), score_padding=True)
+                                     self._row_multiple, score_padding=True)
         layout["attention_mask"] = build_attention_mask(layout, self._attn_implementation,
                                                         unwrap_model(self.model).config)
         labels = input_ids.clone()

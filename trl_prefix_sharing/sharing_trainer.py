@@ -14,7 +14,7 @@ from datasets import Dataset, IterableDataset
 from transformers.trainer_pt_utils import BatchRebalanceSampler
 from transformers.utils import logging
 
-from .attention import build_attention_mask
+from .attention import build_attention_mask, shared_row_multiple
 from .collator import PrefixSharingCollator, unit_lengths
 from .distributed import gather_variable, variable_size_gathers
 from .forward import unwrap_model
@@ -101,7 +101,7 @@ class PrefixSharingTrainerMixin(SharingSetupMixin):
                 self.data_collator,
                 pad_token_id=self.processing_class.pad_token_id if hasattr(self.processing_class, "pad_token_id")
                 else self.processing_class.tokenizer.pad_token_id,
-                pad_to_multiple_of=self.args.pad_to_multiple_of,
+                pad_to_multiple_of=shared_row_multiple(self._attn_implementation, self.args.pad_to_multiple_of),
                 share_prefix=self.prefix_sharing,
             )
         if self.packing:
