@@ -10,7 +10,7 @@ import torch
 from compile_watch import CompileWatch, compile_schedule
 from equivalence import make_trainers
 
-from trl_prefix_sharing import attention, mask, sharing_trainer
+from trl_prefix_sharing import attention, mask, trainer_setup
 from trl_prefix_sharing.tiny import synthetic_pairs
 
 #: compiled variants each of `create_block_mask` and `flex_attention` may need: the first shape, and the row count
@@ -23,7 +23,7 @@ MAX_VARIANTS = 2
 def as_on_cuda(monkeypatch):
     """The trainer's own CUDA set-up, on CPU: FlexAttention (refused on CPU only because it has no backward there)
     and the compiled `create_block_mask` (compiled by default on CUDA only)."""
-    monkeypatch.setattr(sharing_trainer, "resolve_attn_implementation", lambda requested, device: "flex_attention")
+    monkeypatch.setattr(trainer_setup, "resolve_attn_implementation", lambda requested, device: "flex_attention")
     monkeypatch.setattr(attention, "block_mask", functools.partial(mask.block_mask, compile=True))
 
 
