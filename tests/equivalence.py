@@ -148,9 +148,11 @@ def make_reward_model(family, tokenizer, seed=0, **config_kwargs):
 
     from trl_prefix_sharing.tiny import make_config
 
+    attn_implementation = config_kwargs.pop("attn_implementation", "sdpa")
     config = copy.deepcopy(make_config(family, len(tokenizer), num_labels=1, **config_kwargs))
     torch.manual_seed(seed)
-    return AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    return AutoModelForSequenceClassification.from_config(config, attn_implementation=attn_implementation,
+                                                          dtype=torch.float32)
 
 
 def reward_args(tmp_path, ours: dict | None, **overrides):

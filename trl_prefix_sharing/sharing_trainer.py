@@ -12,6 +12,7 @@ from datasets import Dataset, IterableDataset
 from transformers.trainer_pt_utils import BatchRebalanceSampler
 from transformers.utils import logging
 
+from .architectures import model_attn_implementation
 from .attention import AttentionSwitch, build_attention_mask, check_supported_model, resolve_attn_implementation
 from .collator import PrefixSharingCollator, unit_lengths
 from .distributed import gather_variable, variable_size_gathers
@@ -125,11 +126,19 @@ class PrefixSharingTrainerMixin:
             return
         if getattr(getattr(self.model, "active_peft_config", None), "is_prompt_learning", False):
             raise ValueError("Prefix sharing does not support prompt-learning PEFT adapters.")
-        self._attn_implementation = resolve_attn_implementation(
-            self.args.prefix_sharing_attn_implementation, self.accelerator.device
-        )
-        for model in self._layout_models():
+        requested = resolve_attn_implementation(self.args.prefix_sharing_attn_implementation, self.accelerator.device)
+        models = self._layout_models()
+        for model in models:
             check_supported_model(model.config)
+        # one mask per step serves the policy and reference passes: both must take the same kind
+        implementations = {model_attn_implementation(model, requested) for model in models}
+        if len(implementations) > 1:
+            raise ValueError(
+                f"The policy and reference models need different attention implementations under prefix sharing "
+                f"({sorted(implementations)}); use a reference model of the same architecture."
+            )
+        self._attn_implementation = implementations.pop()
+        for model in models:
             self._attention_switch.apply(model, self._attn_implementation)
             install_prefix_sharing_forward(model)
         if not isinstance(self.data_collator, PrefixSharingCollator):

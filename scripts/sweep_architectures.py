@@ -1,0 +1,204 @@
+"""Measure which architectures give stock TRL's numbers under prefix sharing; regenerate the registry and README table.
+
+For every model type (default: every causal LM transformers knows), each variant of its tiny config (default, and
+where the config has them: a sliding window of 6 positions, the router's auxiliary loss), one DPO step and, where
+transformers has a sequence-classification head, one reward step, against stock TRL from identical weights, fp32, on
+tests/equivalence.py's awkward data. Outcomes: ``equal``, ``differs`` (loss, log-probs, metrics or gradients),
+``error`` (prefix sharing raised), ``stock fails`` (stock TRL itself raised).
+
+    PYTHONPATH=$PWD python scripts/sweep_architectures.py --write            # everything (~10 min on 2 cores)
+    PYTHONPATH=$PWD python scripts/sweep_architectures.py gemma2 phi3 --write # re-measure some, keep the rest
+
+``--write`` updates trl_prefix_sharing/data/architectures.json (what `check_supported_model` reads) and the generated
+section of README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import signal
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+REGISTRY = ROOT / "trl_prefix_sharing" / "data" / "architectures.json"
+README = ROOT / "README.md"
+BEGIN, END = "<!-- architectures: begin (scripts/sweep_architectures.py) -->", "<!-- architectures: end -->"
+TIMEOUT_S = 60
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _short(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}"[:200]
+
+
+def _run(stock_fn, shared_fn, compare_fn) -> str:
+    try:
+        stock = stock_fn()
+    except _Timeout:
+        raise
+    except Exception as error:  # noqa: BLE001 - recorded
+        return f"stock fails: {_short(error)}"
+    try:
+        shared = shared_fn()
+    except _Timeout:
+        raise
+    except Exception as error:  # noqa: BLE001 - recorded
+        return f"error: {_short(error)}"
+    try:
+        compare_fn(stock, shared)
+    except AssertionError as error:
+        return f"differs: {_short(error).splitlines()[0]}"
+    return "equal"
+
+
+def measure(family: str, tokenizer, dataset) -> dict:
+    """{variant: {"dpo": outcome, "reward": outcome or None}} for one model type."""
+    import equivalence as eq
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+    from trl_prefix_sharing.architectures import variant_configs
+    from trl_prefix_sharing.tiny import make_config
+
+    has_head = family in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+    try:
+        variants = variant_configs(make_config(family, len(tokenizer)))
+    except Exception as error:  # noqa: BLE001 - recorded
+        return {"default": {"dpo": f"no tiny config: {_short(error)}", "reward": None}}
+    tmp = pathlib.Path(tempfile.mkdtemp())
+    results = {}
+    for name, overrides in variants.items():
+        overrides = {"attn_implementation": stock_attn_implementation(family), **overrides}
+        result = {}
+        try:
+            stock, shared = eq.make_trainers(tmp, family, dataset, tokenizer, config_kwargs=overrides)
+            examples = list(stock.train_dataset)
+            result["dpo"] = _run(lambda: eq.step(stock, examples), lambda: eq.step(shared, examples),
+                                 lambda a, b: eq.assert_same_step(a, b))
+            if has_head and name != "router_aux_loss":  # the reward trainer has no auxiliary loss
+                stock, shared = eq.make_reward_trainers(tmp, family, dataset, tokenizer, config_kwargs=overrides)
+                examples = list(stock.train_dataset)
+                result["reward"] = _run(lambda: eq.reward_step(stock, examples), lambda: eq.reward_step(shared, examples),
+                                        lambda a, b: eq.assert_same_reward_step(a, b))
+        except _Timeout:
+            result.setdefault("dpo", f"error: over {TIMEOUT_S} s")
+        except Exception as error:  # noqa: BLE001 - building the trainers failed
+            result.setdefault("dpo", f"error: {_short(error)}")
+        results[name] = result
+    return results
+
+
+def summarise(family: str, results: dict, tokenizer) -> tuple[str, dict]:
+    """("supported" | "refused", registry entry)."""
+    from trl_prefix_sharing.architectures import REFUSED
+    from trl_prefix_sharing.tiny import make_config
+
+    default = results["default"]
+    equal = [name for name, r in results.items() if r.get("dpo") == "equal" and r.get("reward") in (None, "equal")]
+    if family not in REFUSED and "default" in equal:
+        entry = {"variants": equal, "reward": "reward" in default}
+        try:
+            config = make_config(family, len(tokenizer))
+            model_class = _causal_lm_class(config)
+            entry["attention"] = ("sdpa" if model_class._supports_sdpa else "eager") + (
+                ", flex" if model_class._supports_flex_attn else "")
+            entry["moe"] = hasattr(config, "output_router_logits")
+        except Exception:  # noqa: BLE001 - notes only
+            pass
+        entry["failed_variants"] = {name: r for name, r in results.items() if name not in equal}
+        return "supported", entry
+    outcome = next((o for o in (default.get("dpo"), default.get("reward")) if o and o != "equal"), "")
+    reason = REFUSED.get(family) or f"measured: {outcome}"
+    return "refused", {"reason": reason, "measured": results}
+
+
+def stock_attn_implementation(family: str) -> str:
+    """What stock runs the tiny model with: SDPA where the class supports it, else eager."""
+    from trl_prefix_sharing.tiny import make_config
+
+    return "sdpa" if _causal_lm_class(make_config(family, 8))._supports_sdpa else "eager"
+
+
+def _causal_lm_class(config):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
+def readme_table(registry: dict) -> str:
+    lines = [BEGIN, "", "| Model type | Measured options | Reward head | Attention | Notes |", "|---|---|---|---|---|"]
+    for family, entry in sorted(registry["supported"].items()):
+        options = ", ".join(v for v in entry["variants"] if v != "default") or "-"
+        notes = []
+        if entry.get("moe"):
+            notes.append("MoE")
+        for name, r in entry.get("failed_variants", {}).items():
+            notes.append(f"refused with {name.replace('_', ' ')}")
+        lines.append(f"| `{family}` | {options} | {'yes' if entry['reward'] else 'no head'} | "
+                     f"{entry.get('attention', '')} | {', '.join(notes)} |")
+    lines += ["", "Refused (the error names the reason):", "", "| Model type | Reason |", "|---|---|"]
+    for family, entry in sorted(registry["refused"].items()):
+        lines.append(f"| `{family}` | {entry['reason'].replace('|', '/')} |")
+    lines += ["", END]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("families", nargs="*", help="model types (default: every causal LM transformers knows)")
+    parser.add_argument("--write", action="store_true", help="update the registry JSON and the README table")
+    args = parser.parse_args()
+
+    import conftest  # noqa: F401  - the tests' environment (quiet, 2 threads)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    import trl_prefix_sharing.sharing_trainer as sharing_trainer
+    from equivalence import awkward_text_dataset
+    from trl_prefix_sharing.tiny import make_tokenizer
+
+    sharing_trainer.check_supported_model = lambda config: None  # measure every candidate, refused ones included
+    tokenizer, dataset = make_tokenizer(), awkward_text_dataset()
+    families = args.families or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    registry = json.loads(REGISTRY.read_text()) if REGISTRY.exists() else {"supported": {}, "refused": {}}
+
+    def alarm(*_):
+        raise _Timeout()
+
+    signal.signal(signal.SIGALRM, alarm)
+    for family in families:
+        start = time.time()
+        signal.alarm(TIMEOUT_S)
+        try:
+            results = measure(family, tokenizer, dataset)
+        except _Timeout:
+            results = {"default": {"dpo": f"error: over {TIMEOUT_S} s"}}
+        finally:
+            signal.alarm(0)
+        status, entry = summarise(family, results, tokenizer)
+        for table in ("supported", "refused"):
+            registry[table].pop(family, None)
+        registry[status][family] = entry
+        print(json.dumps({"family": family, "status": status, "seconds": round(time.time() - start, 1),
+                          **({"variants": entry["variants"]} if status == "supported" else {"reason": entry["reason"]})}),
+              flush=True)
+    if args.write:
+        registry = {key: dict(sorted(registry[key].items())) for key in ("supported", "refused")}
+        REGISTRY.write_text(json.dumps(registry, indent=1) + "\n")
+        text = README.read_text()
+        if BEGIN in text:
+            text = text[: text.index(BEGIN)] + readme_table(registry) + text[text.index(END) + len(END):]
+            README.write_text(text)
+        else:
+            print("README.md has no generated architectures section; table:\n" + readme_table(registry))
+
+
+if __name__ == "__main__":
+    main()
