@@ -155,7 +155,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("families", nargs="*", help="model types (default: every causal LM transformers knows)")
     parser.add_argument("--write", action="store_true", help="update the registry JSON and the README table")
+    parser.add_argument("--readme-only", action="store_true",
+                        help="measure nothing: re-apply the reasons of `REFUSED` and regenerate the README table")
     args = parser.parse_args()
+    if args.readme_only:
+        _write_readme(_write_registry(json.loads(REGISTRY.read_text())))
+        return
 
     import conftest  # noqa: F401  - the tests' environment (quiet, 2 threads)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -186,18 +191,31 @@ def main() -> None:
         for table in ("supported", "refused"):
             registry[table].pop(family, None)
         registry[status][family] = entry
+        if args.write:
+            _write_registry(registry)
         print(json.dumps({"family": family, "status": status, "seconds": round(time.time() - start, 1),
                           **({"variants": entry["variants"]} if status == "supported" else {"reason": entry["reason"]})}),
               flush=True)
     if args.write:
-        registry = {key: dict(sorted(registry[key].items())) for key in ("supported", "refused")}
-        REGISTRY.write_text(json.dumps(registry, indent=1) + "\n")
-        text = README.read_text()
-        if BEGIN in text:
-            text = text[: text.index(BEGIN)] + readme_table(registry) + text[text.index(END) + len(END):]
-            README.write_text(text)
-        else:
-            print("README.md has no generated architectures section; table:\n" + readme_table(registry))
+        _write_readme(_write_registry(registry))
+
+
+def _write_registry(registry: dict) -> dict:
+    from trl_prefix_sharing.architectures import REFUSED
+
+    for family, entry in registry["refused"].items():  # reasons are kept in code; the measurement stays alongside
+        if family in REFUSED:
+            entry["reason"] = REFUSED[family]
+    registry = {key: dict(sorted(registry[key].items())) for key in ("supported", "refused")}
+    REGISTRY.write_text(json.dumps(registry, indent=1) + "\n")
+    return registry
+
+
+def _write_readme(registry: dict) -> None:
+    text = README.read_text()
+    if BEGIN not in text:
+        raise SystemExit(f"README.md has no generated architectures section ({BEGIN} ... {END}).")
+    README.write_text(text[: text.index(BEGIN)] + readme_table(registry) + text[text.index(END) + len(END):])
 
 
 if __name__ == "__main__":

@@ -54,7 +54,21 @@ MASK_2D = "the forward assumes a 2-D padding mask and does not honour a given 4-
 
 #: model_type -> why prefix sharing cannot give stock's numbers. Each entry is a family the sweep measured differing
 #: from (or crashing against) stock; the sweep re-measures them and records the outcome next to the reason.
-REFUSED: dict[str, str] = {}
+REFUSED: dict[str, str] = {
+    **dict.fromkeys(
+        ["bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear", "lfm2",
+         "lfm2_moe", "mamba", "mamba2", "minimax", "nemotron_h", "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
+         "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "recurrent_gemma", "rwkv", "xlstm", "zamba", "zamba2"],
+        RECURRENT),
+    **dict.fromkeys(["biogpt", "bloom", "cpmant", "mpt", "opt", "xglm"], ROW_POSITIONS),
+    **dict.fromkeys(["gpt_neo", "llama4", "llama4_text"], LOCAL_ROWS),
+    **dict.fromkeys(
+        ["bart", "bert", "bert-generation", "big_bird", "bigbird_pegasus", "blenderbot", "blenderbot-small",
+         "camembert", "data2vec-text", "electra", "ernie", "marian", "mbart", "megatron-bert", "musicgen",
+         "musicgen_melody", "mvp", "pegasus", "plbart", "prophetnet", "rembert", "roberta", "roberta-prelayernorm",
+         "roc_bert", "roformer", "trocr", "whisper", "xlm", "xlm-roberta", "xlm-roberta-xl", "xmod"],
+        NOT_CAUSAL),
+}
 
 #: `layer_types` entries that are not attention: any of them makes a model recurrent in the sense of the contract
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
