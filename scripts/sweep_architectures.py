@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 REGISTRY = ROOT / "trl_prefix_sharing" / "data" / "architectures.json"
 README = ROOT / "README.md"
 BEGIN, END = "<!-- architectures: begin (scripts/sweep_architectures.py) -->", "<!-- architectures: end -->"
-TIMEOUT_S = 60
+TIMEOUT_S = 120  # per variant
 
 
 class _Timeout(Exception):
@@ -65,7 +65,7 @@ def measure(family: str, tokenizer, dataset) -> dict:
     import equivalence as eq
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
-    from trl_prefix_sharing.architectures import variant_configs
+    from trl_prefix_sharing.architectures import variant_configs, window_layout
     from trl_prefix_sharing.tiny import make_config
 
     has_head = family in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
@@ -75,9 +75,10 @@ def measure(family: str, tokenizer, dataset) -> dict:
         return {"default": {"dpo": f"no tiny config: {_short(error)}", "reward": None}}
     tmp = pathlib.Path(tempfile.mkdtemp())
     results = {}
-    for name, overrides in variants.items():
-        overrides = {"attn_implementation": stock_attn_implementation(family), **overrides}
+    for name in variants:
+        overrides = eq.family_config_kwargs(family, name)
         result = {}
+        signal.alarm(TIMEOUT_S)
         try:
             stock, shared = eq.make_trainers(tmp, family, dataset, tokenizer, config_kwargs=overrides)
             examples = list(stock.train_dataset)
@@ -92,6 +93,12 @@ def measure(family: str, tokenizer, dataset) -> dict:
             result.setdefault("dpo", f"error: over {TIMEOUT_S} s")
         except Exception as error:  # noqa: BLE001 - building the trainers failed
             result.setdefault("dpo", f"error: {_short(error)}")
+        finally:
+            signal.alarm(0)
+        config_overrides = {k: v for k, v in overrides.items() if k != "attn_implementation"}
+        if name == "sliding_window" and result.get("dpo") == "equal" and window_layout(
+                make_config(family, len(tokenizer), **config_overrides))[0] is None:
+            result = {"dpo": "not applicable: the config's layer types slide nowhere"}
         results[name] = result
     return results
 
@@ -113,18 +120,12 @@ def summarise(family: str, results: dict, tokenizer) -> tuple[str, dict]:
             entry["moe"] = hasattr(config, "output_router_logits")
         except Exception:  # noqa: BLE001 - notes only
             pass
-        entry["failed_variants"] = {name: r for name, r in results.items() if name not in equal}
+        entry["failed_variants"] = {name: r for name, r in results.items()
+                                    if name not in equal and not r["dpo"].startswith("not applicable")}
         return "supported", entry
     outcome = next((o for o in (default.get("dpo"), default.get("reward")) if o and o != "equal"), "")
     reason = REFUSED.get(family) or f"measured: {outcome}"
     return "refused", {"reason": reason, "measured": results}
-
-
-def stock_attn_implementation(family: str) -> str:
-    """What stock runs the tiny model with: SDPA where the class supports it, else eager."""
-    from trl_prefix_sharing.tiny import make_config
-
-    return "sdpa" if _causal_lm_class(make_config(family, 8))._supports_sdpa else "eager"
 
 
 def _causal_lm_class(config):
@@ -180,13 +181,7 @@ def main() -> None:
     signal.signal(signal.SIGALRM, alarm)
     for family in families:
         start = time.time()
-        signal.alarm(TIMEOUT_S)
-        try:
-            results = measure(family, tokenizer, dataset)
-        except _Timeout:
-            results = {"default": {"dpo": f"error: over {TIMEOUT_S} s"}}
-        finally:
-            signal.alarm(0)
+        results = measure(family, tokenizer, dataset)
         status, entry = summarise(family, results, tokenizer)
         for table in ("supported", "refused"):
             registry[table].pop(family, None)

@@ -162,7 +162,14 @@ def _shared_classification_forward(model, kwargs: dict, layout: dict):
 
 
 def _is_sequence_classifier(model) -> bool:
-    return type(model).__name__.endswith("ForSequenceClassification") and hasattr(model, "score")
+    if not type(model).__name__.endswith("ForSequenceClassification"):
+        return False
+    if not isinstance(getattr(model, "score", None), torch.nn.Module) or not hasattr(model, model.base_model_prefix):
+        raise ValueError(
+            f"{type(model).__name__} has no `score` head or no `{model.base_model_prefix}` backbone, which the "
+            "prefix-shared reward forward reads. Train it with `prefix_sharing=False`."
+        )
+    return True
 
 
 def install_prefix_sharing_forward(model) -> None:
