@@ -135,16 +135,26 @@ def _causal_lm_class(config):
 
 
 def readme_table(registry: dict) -> str:
-    lines = [BEGIN, "", "| Model type | Measured options | Reward head | Attention | Notes |", "|---|---|---|---|---|"]
+    from trl_prefix_sharing.architectures import variant_configs
+    from trl_prefix_sharing.tiny import make_config
+
+    def option(entry, config, name):
+        if name in entry["variants"]:
+            return "yes (" + ", ".join(f"`{key}`" for key in variant_configs(config)[name]) + ")"
+        failed = entry.get("failed_variants", {}).get(name)
+        if failed is None:
+            return "-"
+        outcome = next(o for o in failed.values() if o and o != "equal")
+        return "refused (measured: " + outcome.split(":")[0] + ")"
+
+    lines = [BEGIN, "", "| Model type | Sliding window | Router aux loss (MoE) | Reward head | Attention |",
+             "|---|---|---|---|---|"]
     for family, entry in sorted(registry["supported"].items()):
-        options = ", ".join(v for v in entry["variants"] if v != "default") or "-"
-        notes = []
-        if entry.get("moe"):
-            notes.append("MoE")
-        for name, r in entry.get("failed_variants", {}).items():
-            notes.append(f"refused with {name.replace('_', ' ')}")
-        lines.append(f"| `{family}` | {options} | {'yes' if entry['reward'] else 'no head'} | "
-                     f"{entry.get('attention', '')} | {', '.join(notes)} |")
+        config = make_config(family, 8)
+        attention = entry.get("attention", "")
+        lines.append(f"| `{family}` | {option(entry, config, 'sliding_window')} | "
+                     f"{option(entry, config, 'router_aux_loss')} | {'yes' if entry['reward'] else 'none in transformers'} "
+                     f"| {attention} |")
     lines += ["", "Refused (the error names the reason):", "", "| Model type | Reason |", "|---|---|"]
     for family, entry in sorted(registry["refused"].items()):
         lines.append(f"| `{family}` | {entry['reason'].replace('|', '/')} |")
@@ -156,11 +166,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("families", nargs="*", help="model types (default: every causal LM transformers knows)")
     parser.add_argument("--write", action="store_true", help="update the registry JSON and the README table")
+    parser.add_argument("--registry", type=pathlib.Path, default=REGISTRY,
+                        help="the registry JSON to update (default: the package's)")
     parser.add_argument("--readme-only", action="store_true",
                         help="measure nothing: re-apply the reasons of `REFUSED` and regenerate the README table")
     args = parser.parse_args()
     if args.readme_only:
-        _write_readme(_write_registry(json.loads(REGISTRY.read_text())))
+        _write_readme(_write_registry(json.loads(args.registry.read_text()), args.registry))
         return
 
     import conftest  # noqa: F401  - the tests' environment (quiet, 2 threads)
@@ -173,7 +185,7 @@ def main() -> None:
     sharing_trainer.check_supported_model = lambda config: None  # measure every candidate, refused ones included
     tokenizer, dataset = make_tokenizer(), awkward_text_dataset()
     families = args.families or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-    registry = json.loads(REGISTRY.read_text()) if REGISTRY.exists() else {"supported": {}, "refused": {}}
+    registry = json.loads(args.registry.read_text()) if args.registry.exists() else {"supported": {}, "refused": {}}
 
     def alarm(*_):
         raise _Timeout()
@@ -187,22 +199,22 @@ def main() -> None:
             registry[table].pop(family, None)
         registry[status][family] = entry
         if args.write:
-            _write_registry(registry)
+            _write_registry(registry, args.registry)
         print(json.dumps({"family": family, "status": status, "seconds": round(time.time() - start, 1),
                           **({"variants": entry["variants"]} if status == "supported" else {"reason": entry["reason"]})}),
               flush=True)
     if args.write:
-        _write_readme(_write_registry(registry))
+        _write_readme(_write_registry(registry, args.registry))
 
 
-def _write_registry(registry: dict) -> dict:
+def _write_registry(registry: dict, path: pathlib.Path = REGISTRY) -> dict:
     from trl_prefix_sharing.architectures import REFUSED
 
     for family, entry in registry["refused"].items():  # reasons are kept in code; the measurement stays alongside
         if family in REFUSED:
             entry["reason"] = REFUSED[family]
     registry = {key: dict(sorted(registry[key].items())) for key in ("supported", "refused")}
-    REGISTRY.write_text(json.dumps(registry, indent=1) + "\n")
+    path.write_text(json.dumps(registry, indent=1) + "\n")
     return registry
 
 

@@ -132,8 +132,8 @@ def check_supported_model(config) -> None:
     if entry is None:
         raise ValueError(
             f"Prefix sharing is not measured for the model type '{model_type}', so its log-probs could differ from "
-            f"stock TRL. Measured equal: {', '.join(supported_model_types())}. To measure it, add it to "
-            f"scripts/sweep_architectures.py and run it; until then {way_out[0].lower() + way_out[1:]}"
+            f"stock TRL. Measured equal: {', '.join(supported_model_types())}. To measure it: "
+            f"`python scripts/sweep_architectures.py {model_type} --write`; until then {way_out[0].lower() + way_out[1:]}"
         )
     window, _ = window_layout(text_config)
     if window is not None and "sliding_window" not in entry.get("variants", ()):
