@@ -56,7 +56,7 @@ def test_family_reward_step_matches_stock(tmp_path, tokenizer, family, variant):
     assert_same_reward_step(stock_result, result)
 
 
-@pytest.mark.parametrize("family,variant", [("gemma2", "sliding_window"), ("gpt_oss", "router_aux_loss")])
+@pytest.mark.parametrize("family,variant", [("gemma2", "sliding_window"), ("gpt_oss", "default")])
 def test_family_wrong_mask_fails(tmp_path, tokenizer, monkeypatch, family, variant):
     """Eager attention (softcapping, sinks) with the additive float mask: a leaky mask breaks the comparison."""
     stock, shared = _dpo(tmp_path, tokenizer, family, variant)

@@ -31,7 +31,6 @@ TINY_CONFIGS = {
     "glm4_moe": {**_MOE, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
     "gpt_oss": {**_MOE, "intermediate_size": 32, "head_dim": 8},
     "mixtral": _MOE,
-    "phimoe": _MOE,
     "qwen2_moe": {**_MOE, "shared_expert_intermediate_size": 32},
     "qwen3_moe": {**_MOE, "head_dim": 8},
     "olmoe": _MOE,
@@ -41,6 +40,12 @@ TINY_CONFIGS = {
     "gemma2": {"head_dim": 8, "query_pre_attn_scalar": 8},
     "gemma3_text": {"head_dim": 8, "query_pre_attn_scalar": 8},
     "cohere2": {"head_dim": 8},
+    "gptj": {"rotary_dim": 4},
+    "helium": {"head_dim": 8},
+    "ministral": {"head_dim": 8},
+    # training-time randomness TRL's `disable_dropout` does not reach: off, or no two stock runs agree either
+    "phimoe": {**_MOE, "router_jitter_noise": 0.0},
+    "seed_oss": {"residual_dropout": 0.0, "attention_dropout": 0.0},
 }
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<bos>", "<eos>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
 CHAT_TEMPLATE = (
