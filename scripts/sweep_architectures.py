@@ -168,6 +168,8 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="update the registry JSON and the README table")
     parser.add_argument("--registry", type=pathlib.Path, default=REGISTRY,
                         help="the registry JSON to update (default: the package's)")
+    parser.add_argument("--measure-refused", action="store_true",
+                        help="measure the families `REFUSED` names too (default: record their reason only)")
     parser.add_argument("--readme-only", action="store_true",
                         help="measure nothing: re-apply the reasons of `REFUSED` and regenerate the README table")
     args = parser.parse_args()
@@ -180,6 +182,7 @@ def main() -> None:
 
     import trl_prefix_sharing.sharing_trainer as sharing_trainer
     from equivalence import awkward_text_dataset
+    from trl_prefix_sharing.architectures import REFUSED
     from trl_prefix_sharing.tiny import make_tokenizer
 
     sharing_trainer.check_supported_model = lambda config: None  # measure every candidate, refused ones included
@@ -193,7 +196,10 @@ def main() -> None:
     signal.signal(signal.SIGALRM, alarm)
     for family in families:
         start = time.time()
-        results = measure(family, tokenizer, dataset)
+        if family in REFUSED and not args.measure_refused:
+            results = {"default": {"dpo": "not measured: refused for the reason given"}}
+        else:
+            results = measure(family, tokenizer, dataset)
         status, entry = summarise(family, results, tokenizer)
         for table in ("supported", "refused"):
             registry[table].pop(family, None)
