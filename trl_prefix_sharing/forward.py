@@ -74,7 +74,9 @@ def _shared_forward(original_forward, kwargs: dict, layout: dict):
     text_config = model.config.get_text_config()
     # MoE: the load-balancing loss is computed over the stock tokens with the stock 2-D mask, from the router logits
     # gathered to the stock positions; the fused head (which would use the shared rows and the 4-D mask) is not asked
-    router_logits = [] if kwargs.pop("output_router_logits", getattr(text_config, "output_router_logits", False)) else None
+    moe = hasattr(text_config, "output_router_logits")
+    wanted = kwargs.pop("output_router_logits", getattr(text_config, "output_router_logits", False))
+    router_logits = [] if wanted else None
     hooks = [] if router_logits is None else _capture_router_logits(model.base_model, router_logits)
     try:
         outputs = original_forward(
@@ -82,7 +84,7 @@ def _shared_forward(original_forward, kwargs: dict, layout: dict):
             attention_mask=mask,
             position_ids=layout["position_ids"],
             shift_labels=shared_labels(layout, labels),
-            **({} if router_logits is None else {"output_router_logits": False}),
+            **({"output_router_logits": False} if moe else {}),
             **kwargs,
         )
     finally:
