@@ -41,20 +41,16 @@ def _short(error: BaseException) -> str:
 
 
 def _run(stock_fn, shared_fn, compare_fn) -> str:
+    results = []
+    for failure, fn in (("stock fails", stock_fn), ("error", shared_fn)):
+        try:
+            results.append(fn())
+        except _Timeout:
+            raise
+        except Exception as error:  # noqa: BLE001 - recorded
+            return f"{failure}: {_short(error)}"
     try:
-        stock = stock_fn()
-    except _Timeout:
-        raise
-    except Exception as error:  # noqa: BLE001 - recorded
-        return f"stock fails: {_short(error)}"
-    try:
-        shared = shared_fn()
-    except _Timeout:
-        raise
-    except Exception as error:  # noqa: BLE001 - recorded
-        return f"error: {_short(error)}"
-    try:
-        compare_fn(stock, shared)
+        compare_fn(*results)
     except AssertionError as error:
         return f"differs: {_short(error).splitlines()[0]}"
     return "equal"
