@@ -138,14 +138,21 @@ def check_supported_model(config) -> None:
     window, _ = window_layout(text_config)
     if window is not None and "sliding_window" not in entry.get("variants", ()):
         raise ValueError(
-            f"Prefix sharing is measured for '{model_type}' without a sliding window only; this config sets "
-            f"`sliding_window={window}`. {way_out}"
+            f"Prefix sharing is measured equal for '{model_type}' without a sliding window only "
+            f"({_measured(entry, 'sliding_window')}); this config sets `sliding_window={window}`. {way_out}"
         )
     if getattr(text_config, "output_router_logits", False) and "router_aux_loss" not in entry.get("variants", ()):
         raise ValueError(
-            f"Prefix sharing is measured for '{model_type}' without the router's auxiliary loss; this config sets "
-            f"`output_router_logits=True`. {way_out}"
+            f"Prefix sharing is measured equal for '{model_type}' without the router's auxiliary loss only "
+            f"({_measured(entry, 'router_aux_loss')}); this config sets `output_router_logits=True`. {way_out}"
         )
+
+
+def _measured(entry: dict, variant: str) -> str:
+    outcomes = entry.get("failed_variants", {}).get(variant)
+    if not outcomes:
+        return f"{variant}: not measured"
+    return f"{variant}: " + "; ".join(f"{kind} {outcome}" for kind, outcome in outcomes.items() if outcome)
 
 
 # ---------------------------------------------------------------------------------------------------- attention
