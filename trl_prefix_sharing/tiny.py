@@ -42,6 +42,8 @@ TINY_CONFIGS = {
     "cohere2": {"head_dim": 8},
     "gptj": {"rotary_dim": 4},
     "helium": {"head_dim": 8},
+    "hunyuan_v1_dense": {"head_dim": 8},
+    "hunyuan_v1_moe": {**_MOE, "head_dim": 8},
     "ministral": {"head_dim": 8},
     # training-time randomness TRL's `disable_dropout` does not reach: off, or no two stock runs agree either
     "phimoe": {**_MOE, "router_jitter_noise": 0.0},
