@@ -119,9 +119,23 @@ def summarise(family: str, results: dict, tokenizer) -> tuple[str, dict]:
         entry["failed_variants"] = {name: r for name, r in results.items()
                                     if name not in equal and not r["dpo"].startswith("not applicable")}
         return "supported", entry
-    outcome = next((o for o in (default.get("dpo"), default.get("reward")) if o and o != "equal"), "")
-    reason = REFUSED.get(family) or f"measured: {outcome}"
-    return "refused", {"reason": reason, "measured": results}
+    return "refused", {"reason": REFUSED.get(family) or _measured_reason(results), "measured": results}
+
+
+def _measured_reason(results: dict) -> str:
+    """The reason of a family refused by measurement alone: what its default variant did."""
+    default = results["default"]
+    kind, outcome = next((kind, o) for kind, o in (("DPO", default.get("dpo")), ("reward", default.get("reward")))
+                         if o and o != "equal")
+    if outcome.startswith("differs"):
+        return f"measured: the prefix-shared {kind} step differs from stock ({outcome[len('differs: '):]})"
+    if outcome.startswith("stock fails"):
+        return f"stock TRL itself fails on the measured tiny model ({outcome[len('stock fails: '):]})"
+    if "over" in outcome and outcome.endswith(" s"):
+        return "not measured: the tiny model ran over the sweep's time limit"
+    if outcome.startswith("no tiny config"):
+        return f"not measured: {outcome}"
+    return f"measured: prefix sharing raised in the {kind} step ({outcome[len('error: '):]})"
 
 
 def _causal_lm_class(config):
@@ -151,9 +165,12 @@ def readme_table(registry: dict) -> str:
         lines.append(f"| `{family}` | {option(entry, config, 'sliding_window')} | "
                      f"{option(entry, config, 'router_aux_loss')} | {'yes' if entry['reward'] else 'none in transformers'} "
                      f"| {attention} |")
-    lines += ["", "Refused (the error names the reason):", "", "| Model type | Reason |", "|---|---|"]
+    lines += ["", "Refused (the error names the reason):", "", "| Model types | Reason |", "|---|---|"]
+    by_reason = {}
     for family, entry in sorted(registry["refused"].items()):
-        lines.append(f"| `{family}` | {entry['reason'].replace('|', '/')} |")
+        by_reason.setdefault(entry["reason"], []).append(f"`{family}`")
+    for reason, families in sorted(by_reason.items(), key=lambda item: (-len(item[1]), item[1])):
+        lines.append(f"| {', '.join(families)} | {reason.replace('|', '/')} |")
     lines += ["", END]
     return "\n".join(lines)
 
@@ -213,8 +230,7 @@ def _write_registry(registry: dict, path: pathlib.Path = REGISTRY) -> dict:
     from trl_prefix_sharing.architectures import REFUSED
 
     for family, entry in registry["refused"].items():  # reasons are kept in code; the measurement stays alongside
-        if family in REFUSED:
-            entry["reason"] = REFUSED[family]
+        entry["reason"] = REFUSED.get(family) or _measured_reason(entry["measured"])
     registry = {key: dict(sorted(registry[key].items())) for key in ("supported", "refused")}
     path.write_text(json.dumps(registry, indent=1) + "\n")
     return registry
