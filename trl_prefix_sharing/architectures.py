@@ -52,8 +52,9 @@ LOCAL_ROWS = (
 NOT_CAUSAL = "not a decoder-only causal LM (encoder or encoder-decoder): tokens attend both ways, a completion sees the other"
 MASK_2D = "the forward assumes a 2-D padding mask and does not honour a given 4-D mask"
 
-#: model_type -> why prefix sharing cannot give stock's numbers. Each entry is a family the sweep measured differing
-#: from (or crashing against) stock; the sweep re-measures them and records the outcome next to the reason.
+#: model_type -> why prefix sharing cannot give stock's numbers, known from the model's code (the sweep measured these
+#: differing from or failing against stock; `scripts/sweep_architectures.py --measure-refused` measures them again).
+#: Families refused by measurement alone carry the measured outcome as their reason in the registry.
 REFUSED: dict[str, str] = {
     **dict.fromkeys(
         ["bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear", "lfm2",
@@ -119,15 +120,15 @@ def check_supported_model(config) -> None:
     way_out = "Train it with `prefix_sharing=False`."
     if other_layers - {"chunked_attention"}:
         raise ValueError(
-            f"Prefix sharing cannot give stock TRL's numbers for '{model_type}': its layers {sorted(other_layers)} "
+            f"Prefix sharing is refused for '{model_type}': its layers {sorted(other_layers)} "
             f"are not attention; {RECURRENT}. {way_out}"
         )
     if "chunked_attention" in other_layers or getattr(text_config, "attention_chunk_size", None):
-        raise ValueError(f"Prefix sharing cannot give stock TRL's numbers for '{model_type}': {LOCAL_ROWS}. {way_out}")
+        raise ValueError(f"Prefix sharing is refused for '{model_type}': {LOCAL_ROWS}. {way_out}")
     refused = registry()["refused"].get(model_type) or REFUSED.get(model_type)
     if refused is not None:
         reason = refused["reason"] if isinstance(refused, dict) else refused
-        raise ValueError(f"Prefix sharing cannot give stock TRL's numbers for '{model_type}': {reason}. {way_out}")
+        raise ValueError(f"Prefix sharing is refused for '{model_type}': {reason}. {way_out}")
     entry = registry()["supported"].get(model_type)
     if entry is None:
         raise ValueError(
