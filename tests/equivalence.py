@@ -148,9 +148,11 @@ def make_reward_model(family, tokenizer, seed=0, **config_kwargs):
 
     from trl_prefix_sharing.tiny import make_config
 
+    attn_implementation = config_kwargs.pop("attn_implementation", "sdpa")
     config = copy.deepcopy(make_config(family, len(tokenizer), num_labels=1, **config_kwargs))
     torch.manual_seed(seed)
-    return AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    return AutoModelForSequenceClassification.from_config(config, attn_implementation=attn_implementation,
+                                                          dtype=torch.float32)
 
 
 def reward_args(tmp_path, ours: dict | None, **overrides):
@@ -249,3 +251,17 @@ def assert_same_eval_metrics(expected: dict, got: dict, rel=1e-4, abs=1e-5) -> N
         assert got[key] == pytest.approx(value, rel=rel, abs=abs), key
         compared += 1
     assert compared >= 4
+
+
+# ------------------------------------------------------------------------------------------- architecture matrix
+def family_config_kwargs(family, variant="default"):
+    """Config overrides of one measured variant of `family` (trl_prefix_sharing.architectures), with the attention
+    stock runs it with: SDPA where the model class supports it, else eager."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from trl_prefix_sharing.architectures import variant_configs
+    from trl_prefix_sharing.tiny import make_config
+
+    config = make_config(family, 8)
+    attn_implementation = "sdpa" if MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._supports_sdpa else "eager"
+    return {"attn_implementation": attn_implementation, **variant_configs(config)[variant]}

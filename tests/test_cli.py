@@ -106,15 +106,16 @@ def test_stats_missing_column_is_a_clear_error(workspace):
     [
         ("./missing.jsonl", "model", "not found: no such file or directory"),
         ("bad.jsonl", "model", "needs 'chosen' and 'rejected'"),
-        ("prefs.jsonl", "gpt2", "supports the model types llama, mistral, qwen2, qwen3"),
+        ("prefs.jsonl", "bloom", "refused for 'bloom': position information is built from row indices"),
     ],
 )
 def test_clear_errors_before_heavy_work(workspace, dataset, model, message):
     (workspace / "bad.jsonl").write_text(json.dumps({"prompt": "w1", "answer": "w2"}) + "\n")
-    if not (workspace / "gpt2").exists():
-        from transformers import GPT2Config, GPT2LMHeadModel
+    if not (workspace / "bloom").exists():
+        from transformers import BloomConfig, BloomForCausalLM
 
-        GPT2LMHeadModel(GPT2Config(vocab_size=400, n_embd=16, n_layer=1, n_head=2)).save_pretrained(workspace / "gpt2")
+        BloomForCausalLM(BloomConfig(vocab_size=400, hidden_size=16, n_layer=1, n_head=2)).save_pretrained(
+            workspace / "bloom")
     proc = _run(_console_script() + ["dpo", "--model_name_or_path", str(workspace / model), "--dataset_name", dataset,
                                      "--output_dir", str(workspace / "err_out"), "--prefix_sharing", "true", *COMMON],
                 cwd=workspace)

@@ -177,10 +177,10 @@ def test_accumulation_matches_plain_stock_where_micro_batches_cannot_matter(tmp_
 
 
 def test_unsupported_model_is_refused_before_training(tmp_path, tokenizer):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import BloomConfig, BloomForCausalLM
 
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", prefix_sharing=True)
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_layer=1, n_embd=16, n_head=2))
-    with pytest.raises(ValueError, match="gpt2"):
-        GRPOTrainer(model=gpt2, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], args=args,
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=len(tokenizer), hidden_size=32, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match="'bloom'.*ALiBi"):
+        GRPOTrainer(model=bloom, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], args=args,
                     train_dataset=prompt_dataset(), processing_class=tokenizer)

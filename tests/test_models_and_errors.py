@@ -101,10 +101,10 @@ def test_flex_attention_on_cpu_is_a_clear_error():
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path, tokenizer):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import BloomConfig, BloomForCausalLM
 
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2))
-    with pytest.raises(ValueError, match="llama, mistral, qwen2, qwen3.*'gpt2'"):
+    model = BloomForCausalLM(BloomConfig(vocab_size=len(tokenizer), hidden_size=32, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match="'bloom'.*ALiBi"):
         DPOTrainer(model=model, args=dpo_args(tmp_path, True), train_dataset=awkward_text_dataset(),
                    processing_class=tokenizer)
 

@@ -7,6 +7,9 @@ saved config never names one):
 - ``"flex_attention"``: a FlexAttention ``BlockMask`` (block-sparse: fully masked blocks are skipped). CUDA only for
   training, since FlexAttention has no backward on CPU.
 - ``"sdpa"``: the same mask evaluated densely as a boolean ``[N, 1, S, S]`` tensor for ``scaled_dot_product_attention``.
+- ``"eager"``: the same dense mask as an additive float tensor (0 where attended, the float32 minimum elsewhere), for
+  model classes that support neither (attention softcapping, sinks; see
+  :func:`~trl_prefix_sharing.architectures.model_attn_implementation`).
 
 ``"auto"`` picks FlexAttention on CUDA and SDPA elsewhere. The switch of a model's attention implementation is
 recorded and undone by :meth:`AttentionSwitch.restore`; it touches only the models given to it.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from .architectures import check_supported_model, supported_model_types, window_layout
 from .mask import block_mask, dense_mask, dpo_mask
 
 __all__ = [
@@ -28,23 +32,11 @@ __all__ = [
     "shared_row_multiple",
 ]
 
-#: Architectures whose attention is proven equal to stock TRL under prefix sharing (tests/test_dpo_equivalence.py).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+#: Architectures measured equal to stock TRL under prefix sharing (the registry in :mod:`.architectures`).
+SUPPORTED_MODEL_TYPES = supported_model_types()
 ATTN_IMPLEMENTATIONS = ("auto", "flex_attention", "sdpa")
 #: FlexAttention's block size (`create_block_mask`'s default): the width shared rows are rounded to under FlexAttention.
 FLEX_ROW_MULTIPLE = 128
-
-
-def check_supported_model(config) -> None:
-    """Raise a clear error for an architecture whose attention is not known to honour the shared layout."""
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    model_type = getattr(text_config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"Prefix sharing supports the model types {', '.join(SUPPORTED_MODEL_TYPES)}; this model is "
-            f"'{model_type}'. Its attention is not proven to honour the shared layout (custom mask and position ids), "
-            "so its log-probs could differ from stock TRL. Train it with `prefix_sharing=False`."
-        )
 
 
 def _flex_available() -> bool:
@@ -112,26 +104,13 @@ class AttentionSwitch:
         self._saved.clear()
 
 
-def _sliding_window_layout(config) -> tuple[int | None, bool]:
-    """(window, mixed): the sliding window the model applies, and whether only some layers use it."""
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    window = getattr(text_config, "sliding_window", None)
-    layer_types = getattr(text_config, "layer_types", None)
-    if window is None:
-        return None, False
-    if layer_types is None:  # Mistral: every layer slides when `sliding_window` is set
-        return window, False
-    if "sliding_attention" not in layer_types:
-        return None, False
-    return window, "full_attention" in layer_types
-
-
 @torch.no_grad()
 def build_attention_mask(layout: dict[str, torch.Tensor], attn_implementation: str, config):
-    """The mask object for one shared batch: a ``BlockMask`` or a dense boolean tensor, or a per-layer-type dict when
-    the model mixes full and sliding-window layers (Qwen2/Qwen3 with ``use_sliding_window``). Built without autograd
-    (a mask has no gradient), so the compiled `create_block_mask` sees one grad mode in training and evaluation steps
-    alike (dynamo compiles a variant per grad mode)."""
+    """The mask object for one shared batch: a ``BlockMask``, a dense boolean tensor or an additive float one, or a
+    per-layer-type dict when the model mixes full and sliding-window layers (Qwen2/Qwen3 with ``use_sliding_window``,
+    Gemma 2/3, Cohere 2, GPT-OSS, ...). Built without autograd (a mask has no gradient), so the compiled
+    `create_block_mask` sees one grad mode in training and evaluation steps alike (dynamo compiles a variant per grad
+    mode)."""
     document_ids, branch_ids = layout["document_ids"], layout["branch_ids"]
     position_ids = layout["position_ids"]
     n, s = document_ids.shape
@@ -142,9 +121,12 @@ def build_attention_mask(layout: dict[str, torch.Tensor], attn_implementation: s
             return block_mask(mask_mod, n, s, s, device=document_ids.device)
         if attn_implementation == "sdpa":
             return dense_mask(mask_mod, n, s, s, device=document_ids.device)
+        if attn_implementation == "eager":  # eager attention adds the mask to the scores
+            allowed = dense_mask(mask_mod, n, s, s, device=document_ids.device)
+            return torch.zeros(allowed.shape, device=allowed.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
         raise ValueError(f"No prefix-sharing mask for attention implementation {attn_implementation!r}.")
 
-    window, mixed = _sliding_window_layout(config)
+    window, mixed = window_layout(config)
     if attn_implementation == "flex_attention" and window is not None:
         # One mask_mod structure for every batch and layer type, the window a tensor (full layers: one that never
         # bites): compiled code is specialised to a mask_mod's structure and Python numbers, not to tensor values, so

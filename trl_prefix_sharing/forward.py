@@ -74,13 +74,26 @@ def _shared_forward(original_forward, kwargs: dict, layout: dict):
     check_layout_matches(layout, input_ids, stock_attention_mask)
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
 
-    outputs = original_forward(
-        input_ids=layout["input_ids"],
-        attention_mask=mask,
-        position_ids=position_ids,
-        shift_labels=shared_labels(layout, labels),
-        **kwargs,
-    )
+    model = original_forward.__self__
+    text_config = model.config.get_text_config()
+    # MoE: the load-balancing loss is computed over the stock tokens with the stock 2-D mask, from the router logits
+    # gathered to the stock positions; the fused head (which would use the shared rows and the 4-D mask) is not asked
+    moe = hasattr(text_config, "output_router_logits")
+    wanted = kwargs.pop("output_router_logits", getattr(text_config, "output_router_logits", False))
+    router_logits = [] if wanted else None
+    hooks = [] if router_logits is None else _capture_router_logits(model.base_model, router_logits)
+    try:
+        outputs = original_forward(
+            input_ids=layout["input_ids"],
+            attention_mask=mask,
+            position_ids=position_ids,
+            shift_labels=shared_labels(layout, labels),
+            **({"output_router_logits": False} if moe else {}),
+            **kwargs,
+        )
+    finally:
+        for hook in hooks:
+            hook.remove()
 
     index = layout["stock_index"][:, :-1]
     valid = (index >= 0) & (labels[:, 1:] != -100)
@@ -91,7 +104,37 @@ def _shared_forward(original_forward, kwargs: dict, layout: dict):
         fields[name] = None if value is None else gather_to_stock(value, index, valid, fill)
     denominator = valid.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     loss = -fields["log_probs"].sum() / denominator  # the stock definition, over the stock positions
-    return FusedCausalLMOutput(loss=loss, label_mask=valid, aux_loss=outputs.aux_loss, **fields)
+    aux_loss = outputs.aux_loss
+    if router_logits is not None:
+        aux_loss = _stock_aux_loss(router_logits[0], layout, stock_attention_mask, text_config)
+        loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
+    return FusedCausalLMOutput(loss=loss, label_mask=valid, aux_loss=aux_loss, **fields)
+
+
+def _capture_router_logits(backbone, captured: list) -> list:
+    """Scoped hooks on the backbone: it returns its router logits (appended to `captured`) for this call."""
+
+    def request(module, args, kwargs):
+        return args, {**kwargs, "output_router_logits": True}
+
+    def capture(module, args, kwargs, output):
+        captured.append(output.router_logits)
+
+    return [backbone.register_forward_pre_hook(request, with_kwargs=True),
+            backbone.register_forward_hook(capture, with_kwargs=True)]
+
+
+def _stock_aux_loss(router_logits, layout: dict, stock_attention_mask, text_config):
+    """The load-balancing loss TRL's fused head computes on the stock batch: per layer, the shared rows' router logits
+    gathered to the stock positions (a prompt token counts once per stock row, as in stock), the stock 2-D mask."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    if stock_attention_mask is None:
+        raise ValueError("The router's auxiliary loss under prefix sharing needs the stock `attention_mask`.")
+    index = layout["stock_index"].reshape(-1).clamp(min=0)  # padding: any row, the stock mask drops it
+    gathered = tuple(layer.reshape(-1, layer.shape[-1])[index] for layer in router_logits)
+    return load_balancing_loss_func(gathered, text_config.num_experts, text_config.num_experts_per_tok,
+                                    stock_attention_mask)
 
 
 def _shared_classification_forward(model, kwargs: dict, layout: dict):
@@ -125,7 +168,14 @@ def _shared_classification_forward(model, kwargs: dict, layout: dict):
 
 
 def _is_sequence_classifier(model) -> bool:
-    return type(model).__name__.endswith("ForSequenceClassification") and hasattr(model, "score")
+    if not type(model).__name__.endswith("ForSequenceClassification"):
+        return False
+    if not isinstance(getattr(model, "score", None), torch.nn.Module) or not hasattr(model, model.base_model_prefix):
+        raise ValueError(
+            f"{type(model).__name__} has no `score` head or no `{model.base_model_prefix}` backbone, which the "
+            "prefix-shared reward forward reads. Train it with `prefix_sharing=False`."
+        )
+    return True
 
 
 def install_prefix_sharing_forward(model) -> None:

@@ -10,6 +10,7 @@ from importlib import resources
 
 __all__ = [
     "FAMILIES",
+    "TINY_CONFIGS",
     "make_tokenizer",
     "make_config",
     "make_model",
@@ -18,6 +19,36 @@ __all__ = [
 ]
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+_MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+_MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, qk_head_dim=8, v_head_dim=8,
+            n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1, num_key_value_heads=4)
+#: family (model_type) -> what its tiny config needs on top of `make_config`'s common sizes (any model_type transformers
+#: knows is accepted; these are the ones whose defaults do not fit a tiny model or that need small experts)
+TINY_CONFIGS = {
+    "deepseek_v2": {**_MOE, **_MLA},
+    "deepseek_v3": {**_MOE, **_MLA},
+    "glm4_moe": {**_MOE, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
+    "gpt_oss": {**_MOE, "intermediate_size": 32, "head_dim": 8},
+    "mixtral": _MOE,
+    "qwen2_moe": {**_MOE, "shared_expert_intermediate_size": 32},
+    "qwen3_moe": {**_MOE, "head_dim": 8},
+    "olmoe": _MOE,
+    "granitemoe": _MOE,
+    "jetmoe": {**_MOE, "kv_channels": 8},
+    "gemma": {"head_dim": 8},
+    "gemma2": {"head_dim": 8, "query_pre_attn_scalar": 8},
+    "gemma3_text": {"head_dim": 8, "query_pre_attn_scalar": 8},
+    "cohere2": {"head_dim": 8},
+    "gptj": {"rotary_dim": 4},
+    "helium": {"head_dim": 8},
+    "hunyuan_v1_dense": {"head_dim": 8},
+    "hunyuan_v1_moe": {**_MOE, "head_dim": 8},
+    "ministral": {"head_dim": 8},
+    # training-time randomness TRL's `disable_dropout` does not reach: off, or no two stock runs agree either
+    "phimoe": {**_MOE, "router_jitter_noise": 0.0},
+    "seed_oss": {"residual_dropout": 0.0, "attention_dropout": 0.0},
+}
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<bos>", "<eos>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
 #: renders plain messages as `<|role|> content <|end|> `; also tools (names), tool calls (`( name arguments )`),
 #: tool results and content lists (their text parts), as TRL's tool-calling format gives them
@@ -66,8 +97,9 @@ def make_tokenizer(words=None):
 
 
 def make_config(family: str, vocab_size: int, hidden_size: int = 32, num_layers: int = 2, **overrides):
-    """A small config of one of `FAMILIES` (GQA: 4 query heads, 2 key/value heads)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    """A small config of one of `FAMILIES` (GQA: 4 query heads, 2 key/value heads), or of any other model type
+    transformers knows (with `TINY_CONFIGS[family]` applied)."""
+    from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
     kwargs = dict(
@@ -85,6 +117,10 @@ def make_config(family: str, vocab_size: int, hidden_size: int = 32, num_layers:
     )
     if family == "qwen3":
         kwargs["head_dim"] = hidden_size // 4
+    if family not in classes:
+        kwargs.update(TINY_CONFIGS.get(family, {}))
+        kwargs.update(overrides)
+        return AutoConfig.for_model(family, **kwargs)
     kwargs.update(overrides)
     return classes[family](**kwargs)
 

@@ -4,6 +4,7 @@ patches after it (attention implementation switched, forward wrapped), scoped to
 
 from __future__ import annotations
 
+from .architectures import model_attn_implementation
 from .attention import AttentionSwitch, check_supported_model, resolve_attn_implementation
 from .forward import install_prefix_sharing_forward, remove_prefix_sharing_forward, unwrap_model
 from .vision import check_supported_vision_model, is_vision_config, vision_attn_implementation
@@ -69,14 +70,21 @@ class SharingSetupMixin:
         """Switch the models' attention to the one that applies the prefix-sharing mask and wrap their forwards."""
         if getattr(getattr(self.model, "active_peft_config", None), "is_prompt_learning", False):
             raise ValueError("Prefix sharing does not support prompt-learning PEFT adapters.")
-        self._attn_implementation = resolve_attn_implementation(
-            self.args.prefix_sharing_attn_implementation, self.accelerator.device
-        )
-        if any(is_vision_config(model.config) for model in self._layout_models()):
-            self._attn_implementation = vision_attn_implementation(self.args.prefix_sharing_attn_implementation,
-                                                                   self._attn_implementation)
-        for model in self._layout_models():
+        requested = resolve_attn_implementation(self.args.prefix_sharing_attn_implementation, self.accelerator.device)
+        models = self._layout_models()
+        for model in models:
             self._check_architecture(model.config)
+        if any(is_vision_config(model.config) for model in models):
+            implementations = {vision_attn_implementation(self.args.prefix_sharing_attn_implementation, requested)}
+        else:  # per model class: FlexAttention where transformers supports it, else SDPA, else eager (logged)
+            implementations = {model_attn_implementation(model, requested) for model in models}
+        if len(implementations) > 1:  # one mask per step serves the policy and reference passes
+            raise ValueError(
+                f"The policy and reference models need different attention implementations under prefix sharing "
+                f"({sorted(implementations)}); use a reference model of the same architecture."
+            )
+        self._attn_implementation = implementations.pop()
+        for model in models:
             self._attention_switch.apply(model, self._attn_implementation)
             install_prefix_sharing_forward(model)
 

@@ -1,0 +1,247 @@
+"""Measure which architectures give stock TRL's numbers under prefix sharing; regenerate the registry and README table.
+
+For every model type (default: every causal LM transformers knows), each variant of its tiny config (default, and
+where the config has them: a sliding window of 6 positions, the router's auxiliary loss), one DPO step and, where
+transformers has a sequence-classification head, one reward step, against stock TRL from identical weights, fp32, on
+tests/equivalence.py's awkward data. Outcomes: ``equal``, ``differs`` (loss, log-probs, metrics or gradients),
+``error`` (prefix sharing raised), ``stock fails`` (stock TRL itself raised).
+
+    PYTHONPATH=$PWD python scripts/sweep_architectures.py --write            # everything (~10 min on 2 cores)
+    PYTHONPATH=$PWD python scripts/sweep_architectures.py gemma2 phi3 --write # re-measure some, keep the rest
+
+``--write`` updates trl_prefix_sharing/data/architectures.json (what `check_supported_model` reads) and the generated
+section of README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import signal
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+REGISTRY = ROOT / "trl_prefix_sharing" / "data" / "architectures.json"
+README = ROOT / "README.md"
+BEGIN, END = "<!-- architectures: begin (scripts/sweep_architectures.py) -->", "<!-- architectures: end -->"
+TIMEOUT_S = 120  # per variant
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _short(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}"[:200]
+
+
+def _run(stock_fn, shared_fn, compare_fn) -> str:
+    results = []
+    for failure, fn in (("stock fails", stock_fn), ("error", shared_fn)):
+        try:
+            results.append(fn())
+        except _Timeout:
+            raise
+        except Exception as error:  # noqa: BLE001 - recorded
+            return f"{failure}: {_short(error)}"
+    try:
+        compare_fn(*results)
+    except AssertionError as error:
+        return f"differs: {_short(error).splitlines()[0]}"
+    return "equal"
+
+
+def measure(family: str, tokenizer, dataset) -> dict:
+    """{variant: {"dpo": outcome, "reward": outcome or None}} for one model type."""
+    import equivalence as eq
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+    from trl_prefix_sharing.architectures import variant_configs, window_layout
+    from trl_prefix_sharing.tiny import make_config
+
+    has_head = family in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+    try:
+        variants = variant_configs(make_config(family, len(tokenizer)))
+    except Exception as error:  # noqa: BLE001 - recorded
+        return {"default": {"dpo": f"no tiny config: {_short(error)}", "reward": None}}
+    tmp = pathlib.Path(tempfile.mkdtemp())
+    results = {}
+    for name in variants:
+        overrides = eq.family_config_kwargs(family, name)
+        result = {}
+        signal.alarm(TIMEOUT_S)
+        try:
+            stock, shared = eq.make_trainers(tmp, family, dataset, tokenizer, config_kwargs=overrides)
+            examples = list(stock.train_dataset)
+            result["dpo"] = _run(lambda: eq.step(stock, examples), lambda: eq.step(shared, examples),
+                                 lambda a, b: eq.assert_same_step(a, b))
+            if has_head and name != "router_aux_loss":  # the reward trainer has no auxiliary loss
+                stock, shared = eq.make_reward_trainers(tmp, family, dataset, tokenizer, config_kwargs=overrides)
+                examples = list(stock.train_dataset)
+                result["reward"] = _run(lambda: eq.reward_step(stock, examples), lambda: eq.reward_step(shared, examples),
+                                        lambda a, b: eq.assert_same_reward_step(a, b))
+        except _Timeout:
+            result.setdefault("dpo", f"error: over {TIMEOUT_S} s")
+        except Exception as error:  # noqa: BLE001 - building the trainers failed
+            result.setdefault("dpo", f"error: {_short(error)}")
+        finally:
+            signal.alarm(0)
+        config_overrides = {k: v for k, v in overrides.items() if k != "attn_implementation"}
+        if name == "sliding_window" and result.get("dpo") == "equal" and window_layout(
+                make_config(family, len(tokenizer), **config_overrides))[0] is None:
+            result = {"dpo": "not applicable: the config's layer types slide nowhere"}
+        results[name] = result
+    return results
+
+
+def summarise(family: str, results: dict, tokenizer) -> tuple[str, dict]:
+    """("supported" | "refused", registry entry)."""
+    from trl_prefix_sharing.architectures import REFUSED
+    from trl_prefix_sharing.tiny import make_config
+
+    default = results["default"]
+    equal = [name for name, r in results.items() if r.get("dpo") == "equal" and r.get("reward") in (None, "equal")]
+    if family not in REFUSED and "default" in equal:
+        entry = {"variants": equal, "reward": "reward" in default}
+        try:
+            config = make_config(family, len(tokenizer))
+            model_class = _causal_lm_class(config)
+            entry["attention"] = ("sdpa" if model_class._supports_sdpa else "eager") + (
+                ", flex" if model_class._supports_flex_attn else "")
+            entry["moe"] = hasattr(config, "output_router_logits")
+        except Exception:  # noqa: BLE001 - notes only
+            pass
+        entry["failed_variants"] = {name: r for name, r in results.items()
+                                    if name not in equal and not r["dpo"].startswith("not applicable")}
+        return "supported", entry
+    return "refused", {"reason": REFUSED.get(family) or _measured_reason(results), "measured": results}
+
+
+def _measured_reason(results: dict) -> str:
+    """The reason of a family refused by measurement alone: what its default variant did."""
+    default = results["default"]
+    kind, outcome = next((kind, o) for kind, o in (("DPO", default.get("dpo")), ("reward", default.get("reward")))
+                         if o and o != "equal")
+    if outcome.startswith("differs"):
+        return f"measured: the prefix-shared {kind} step differs from stock ({outcome[len('differs: '):]})"
+    if outcome.startswith("stock fails"):
+        return f"stock TRL itself fails on the measured tiny model ({outcome[len('stock fails: '):]})"
+    if "over" in outcome and outcome.endswith(" s"):
+        return "not measured: the tiny model ran over the sweep's time limit"
+    if outcome.startswith("no tiny config"):
+        return f"not measured: {outcome}"
+    return f"measured: prefix sharing raised in the {kind} step ({outcome[len('error: '):]})"
+
+
+def _causal_lm_class(config):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
+def readme_table(registry: dict) -> str:
+    from trl_prefix_sharing.architectures import variant_configs
+    from trl_prefix_sharing.tiny import make_config
+
+    def option(entry, config, name):
+        if name in entry["variants"]:
+            return "yes (" + ", ".join(f"`{key}`" for key in variant_configs(config)[name]) + ")"
+        failed = entry.get("failed_variants", {}).get(name)
+        if failed is None:
+            return "-"
+        outcome = next(o for o in failed.values() if o and o != "equal")
+        return "refused (measured: " + outcome.split(":")[0] + ")"
+
+    lines = [BEGIN, "", "| Model type | Sliding window | Router aux loss (MoE) | Reward head | Attention |",
+             "|---|---|---|---|---|"]
+    for family, entry in sorted(registry["supported"].items()):
+        config = make_config(family, 8)
+        attention = entry.get("attention", "")
+        lines.append(f"| `{family}` | {option(entry, config, 'sliding_window')} | "
+                     f"{option(entry, config, 'router_aux_loss')} | {'yes' if entry['reward'] else 'none in transformers'} "
+                     f"| {attention} |")
+    lines += ["", "Refused (the error names the reason):", "", "| Model types | Reason |", "|---|---|"]
+    by_reason = {}
+    for family, entry in sorted(registry["refused"].items()):
+        by_reason.setdefault(entry["reason"], []).append(f"`{family}`")
+    for reason, families in sorted(by_reason.items(), key=lambda item: (-len(item[1]), item[1])):
+        lines.append(f"| {', '.join(families)} | {reason.replace('|', '/')} |")
+    lines += ["", END]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("families", nargs="*", help="model types (default: every causal LM transformers knows)")
+    parser.add_argument("--write", action="store_true", help="update the registry JSON and the README table")
+    parser.add_argument("--registry", type=pathlib.Path, default=REGISTRY,
+                        help="the registry JSON to update (default: the package's)")
+    parser.add_argument("--measure-refused", action="store_true",
+                        help="measure the families `REFUSED` names too (default: record their reason only)")
+    parser.add_argument("--readme-only", action="store_true",
+                        help="measure nothing: re-apply the reasons of `REFUSED` and regenerate the README table")
+    args = parser.parse_args()
+    if args.readme_only:
+        _write_readme(_write_registry(json.loads(args.registry.read_text()), args.registry))
+        return
+
+    import conftest  # noqa: F401  - the tests' environment (quiet, 2 threads)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    import trl_prefix_sharing.sharing_trainer as sharing_trainer
+    from equivalence import awkward_text_dataset
+    from trl_prefix_sharing.architectures import REFUSED
+    from trl_prefix_sharing.tiny import make_tokenizer
+
+    sharing_trainer.check_supported_model = lambda config: None  # measure every candidate, refused ones included
+    tokenizer, dataset = make_tokenizer(), awkward_text_dataset()
+    families = args.families or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    registry = json.loads(args.registry.read_text()) if args.registry.exists() else {"supported": {}, "refused": {}}
+
+    def alarm(*_):
+        raise _Timeout()
+
+    signal.signal(signal.SIGALRM, alarm)
+    for family in families:
+        start = time.time()
+        if family in REFUSED and not args.measure_refused:
+            results = {"default": {"dpo": "not measured: refused for the reason given"}}
+        else:
+            results = measure(family, tokenizer, dataset)
+        status, entry = summarise(family, results, tokenizer)
+        for table in ("supported", "refused"):
+            registry[table].pop(family, None)
+        registry[status][family] = entry
+        if args.write:
+            _write_registry(registry, args.registry)
+        print(json.dumps({"family": family, "status": status, "seconds": round(time.time() - start, 1),
+                          **({"variants": entry["variants"]} if status == "supported" else {"reason": entry["reason"]})}),
+              flush=True)
+    if args.write:
+        _write_readme(_write_registry(registry, args.registry))
+
+
+def _write_registry(registry: dict, path: pathlib.Path = REGISTRY) -> dict:
+    from trl_prefix_sharing.architectures import REFUSED
+
+    for family, entry in registry["refused"].items():  # reasons are kept in code; the measurement stays alongside
+        entry["reason"] = REFUSED.get(family) or _measured_reason(entry["measured"])
+    registry = {key: dict(sorted(registry[key].items())) for key in ("supported", "refused")}
+    path.write_text(json.dumps(registry, indent=1) + "\n")
+    return registry
+
+
+def _write_readme(registry: dict) -> None:
+    text = README.read_text()
+    if BEGIN not in text:
+        raise SystemExit(f"README.md has no generated architectures section ({BEGIN} ... {END}).")
+    README.write_text(text[: text.index(BEGIN)] + readme_table(registry) + text[text.index(END) + len(END):])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Every supported architecture family gives stock TRL's numbers (DPO step and reward step, each measured variant);
+every refused one is refused with its reason. The families and variants are the registry's
+(trl_prefix_sharing/data/architectures.json, written by scripts/sweep_architectures.py)."""
+
+import json
+
+import pytest
+import torch
+from equivalence import (
+    assert_same_reward_step,
+    awkward_text_dataset,
+    compare_step,
+    family_config_kwargs,
+    leaky_dpo_mask,
+    make_reward_trainers,
+    make_trainers,
+    reward_step,
+)
+
+import trl_prefix_sharing.attention as attention_module
+from trl_prefix_sharing import DPOTrainer
+from trl_prefix_sharing.architectures import REFUSED, check_supported_model, registry, window_layout
+from trl_prefix_sharing.tiny import make_config, make_model
+
+SUPPORTED = registry()["supported"]
+
+
+def _covered_by_window(family, variant):
+    """The default variant of a family whose window variant mixes full and sliding layers runs inside that variant
+    (its full-attention layers take the default mask), so CI runs the window variant only."""
+    if variant != "default" or "sliding_window" not in SUPPORTED[family]["variants"]:
+        return False
+    return window_layout(make_config(family, 8, **family_config_kwargs(family, "sliding_window")))[1]
+
+
+#: the families TRL's own tests train (and the first four): every variant, DPO and reward
+CORE = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "olmo3", "cohere2", "gpt_neox",
+        "gpt_oss", "glm4_moe", "qwen3_moe", "smollm3", "deepseek_v3", "mixtral"}
+# CI budget: core families get DPO on every measured variant (less defaults covered above) and reward on the default
+# (the reward forward reads the same mask; the window and MoE options are DPO's); every other supported family gets one
+# DPO step on its richest variant (all of them were measured by scripts/sweep_architectures.py)
+DPO_CASES = [(family, variant) for family, entry in SUPPORTED.items() for variant in entry["variants"]
+             if (family in CORE and not _covered_by_window(family, variant))
+             or (family not in CORE and variant == entry["variants"][-1])]
+REWARD_CASES = [(family, "default") for family, entry in SUPPORTED.items() if entry["reward"] and family in CORE]
+
+
+def _dpo(tmp_path, tokenizer, family, variant):
+    return make_trainers(tmp_path, family, awkward_text_dataset(), tokenizer,
+                         config_kwargs=family_config_kwargs(family, variant))
+
+
+@pytest.mark.parametrize("family,variant", DPO_CASES)
+def test_family_dpo_step_matches_stock(tmp_path, tokenizer, family, variant):
+    stock, shared = _dpo(tmp_path, tokenizer, family, variant)
+    stock_result, result = compare_step(stock, shared)
+    layout = result["batch"]["prefix_sharing"]
+    assert (layout["document_ids"] >= 0).sum() < result["batch"]["attention_mask"].sum()  # something was shared
+    if variant == "router_aux_loss":
+        assert stock_result["metrics"]["aux_loss"] > 0  # compared with stock's by compare_step
+    if variant == "sliding_window":
+        window, _ = window_layout(shared.model.config)
+        assert window is not None and int(layout["position_ids"].max()) >= window  # the window cuts something
+
+
+@pytest.mark.parametrize("family,variant", REWARD_CASES)
+def test_family_reward_step_matches_stock(tmp_path, tokenizer, family, variant):
+    stock, shared = make_reward_trainers(tmp_path, family, awkward_text_dataset(), tokenizer,
+                                         config_kwargs=family_config_kwargs(family, variant))
+    examples = list(stock.train_dataset)
+    stock_result, result = reward_step(stock, examples), reward_step(shared, examples)
+    assert "prefix_sharing" in result["batch"]
+    assert_same_reward_step(stock_result, result)
+
+
+@pytest.mark.parametrize("family,variant", [("gemma2", "sliding_window"), ("gpt_oss", "default")])
+def test_family_wrong_mask_fails(tmp_path, tokenizer, monkeypatch, family, variant):
+    """Eager attention (softcapping, sinks) with the additive float mask: a leaky mask breaks the comparison."""
+    stock, shared = _dpo(tmp_path, tokenizer, family, variant)
+    monkeypatch.setattr(attention_module, "dpo_mask", leaky_dpo_mask)
+    with pytest.raises(AssertionError):
+        compare_step(stock, shared)
+
+
+def test_router_aux_loss_needs_the_stock_positions(tmp_path, tokenizer, monkeypatch):
+    """The load-balancing loss over the shared rows (each prompt token once) is not stock's: gathering matters."""
+    import trl_prefix_sharing.forward as forward_module
+
+    stock, shared = _dpo(tmp_path, tokenizer, "mixtral", "router_aux_loss")
+
+    def shared_rows_aux_loss(router_logits, layout, stock_attention_mask, text_config):
+        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+        return load_balancing_loss_func(router_logits, text_config.num_experts, text_config.num_experts_per_tok,
+                                        (layout["document_ids"] >= 0).long())
+
+    monkeypatch.setattr(forward_module, "_stock_aux_loss", shared_rows_aux_loss)
+    with pytest.raises(AssertionError, match="aux_loss|Tensor-likes"):
+        compare_step(stock, shared)
+
+
+@pytest.mark.parametrize("family", sorted(registry()["refused"]))
+def test_refused_family_names_its_reason(family):
+    reason = REFUSED.get(family) or registry()["refused"][family]["reason"]
+    config = type("Config", (), {"model_type": family})()  # the check reads the model type (and layer types)
+    with pytest.raises(ValueError, match=f"refused for '{family}': ") as error:
+        check_supported_model(config)
+    assert reason in str(error.value)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"layer_types": ["full_attention", "linear_attention"]}, "not attention; recurrent"),
+    ({"attention_chunk_size": 4}, "chunked attention"),
+    ({"model_type": "not_a_model"}, "not measured for the model type 'not_a_model'"),
+])
+def test_contract_refusals_without_a_registry_entry(overrides, match):
+    config = make_config("llama", 32)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=match):
+        check_supported_model(config)
+
+
+def test_unmeasured_window_is_refused(tokenizer, tmp_path):
+    """A family measured without a window (its window option differs or is unmeasured) refuses a config with one."""
+    without_window = [f for f, e in SUPPORTED.items() if "sliding_window" not in e["variants"]
+                      and hasattr(make_config(f, 8), "sliding_window")]
+    for family in without_window:
+        config = make_config(family, 8, sliding_window=6)
+        if window_layout(config)[0] is not None:
+            with pytest.raises(ValueError, match="without a sliding window"):
+                check_supported_model(config)
+
+
+def test_trust_remote_code_subclass_of_a_supported_type(tmp_path, tokenizer):
+    """A remote-code Llama subclass (local module saved next to its config, nothing downloaded) whose config declares
+    `model_type: llama` trains with prefix sharing and gives stock's numbers."""
+    root = tmp_path / "remote_llama"
+    make_model("llama", len(tokenizer)).save_pretrained(root)
+    (root / "configuration_custom_llama.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass CustomLlamaConfig(LlamaConfig):\n    model_type = 'llama'\n")
+    (root / "modeling_custom_llama.py").write_text(
+        "from transformers import LlamaForCausalLM\n\nfrom .configuration_custom_llama import CustomLlamaConfig\n\n\n"
+        "class CustomLlamaForCausalLM(LlamaForCausalLM):\n    config_class = CustomLlamaConfig\n")
+    config = json.loads((root / "config.json").read_text())
+    config["architectures"] = ["CustomLlamaForCausalLM"]
+    config["auto_map"] = {"AutoConfig": "configuration_custom_llama.CustomLlamaConfig",
+                          "AutoModelForCausalLM": "modeling_custom_llama.CustomLlamaForCausalLM"}
+    (root / "config.json").write_text(json.dumps(config))
+    stock, shared = make_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer, model=str(root),
+                                  ref_model=None, trust_remote_code=True)
+    assert type(shared.model).__name__ == "CustomLlamaForCausalLM"
+    assert type(shared.model).__module__ != "transformers.models.llama.modeling_llama"
+    compare_step(stock, shared)
+
+
+@pytest.mark.parametrize("family,variant", [("gemma2", "sliding_window"), ("phi3", "sliding_window"),
+                                            ("gpt_neox", "default"), ("qwen3_moe", "default")])
+def test_flex_attention_forward_matches_stock(tmp_path, tokenizer, family, variant):
+    """FlexAttention (CUDA's default) with the BlockMask through transformers' flex path, forward on CPU."""
+    if family not in SUPPORTED or variant not in SUPPORTED[family]["variants"]:
+        pytest.skip(f"{family} {variant} is not in the registry")
+    stock, shared = _dpo(tmp_path, tokenizer, family, variant)
+    shared._attn_implementation = "flex_attention"
+    shared.model.set_attn_implementation("flex_attention")
+    examples = list(stock.train_dataset)
+    results = []
+    for trainer in (stock, shared):
+        batch = trainer._prepare_inputs(trainer.data_collator(examples))
+        with torch.no_grad():
+            results.append(trainer.compute_ref_log_probs(trainer.model, batch))
+    for expected, got in zip(*results):
+        assert expected.numel() > 0
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_architecture_error_names_the_reason(tmp_path, tokenizer):
+    from transformers import MambaConfig, MambaForCausalLM
+
+    from equivalence import dpo_args
+
+    model = MambaForCausalLM(MambaConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1))
+    with pytest.raises(ValueError, match="'mamba'.*carry state across the shared row"):
+        DPOTrainer(model=model, args=dpo_args(tmp_path, True), train_dataset=awkward_text_dataset(),
+                   processing_class=tokenizer)
+
+
+@pytest.mark.parametrize("supports,requested,expected", [
+    ({"_supports_flex_attn": True, "_supports_sdpa": True}, "flex_attention", "flex_attention"),
+    ({"_supports_flex_attn": False, "_supports_sdpa": True}, "flex_attention", "sdpa"),
+    ({"_supports_flex_attn": False, "_supports_sdpa": False}, "flex_attention", "eager"),
+    ({"_supports_flex_attn": True, "_supports_sdpa": False}, "sdpa", "eager"),  # softcapping, sinks
+])
+def test_attention_implementation_per_model_class_is_logged(supports, requested, expected):
+    from transformers.testing_utils import CaptureLogger
+
+    import trl_prefix_sharing.architectures as architectures
+
+    model = type("SomeModel", (), supports)()
+    with CaptureLogger(architectures.logger) as captured:
+        assert architectures.model_attn_implementation(model, requested) == expected
+    assert (f"runs on `{expected}`" in captured.out) == (expected != requested)

@@ -1,0 +1,198 @@
+"""Which architectures prefix sharing runs, and why the others are refused.
+
+The contract: an architecture gives stock TRL's numbers under the shared layout when
+
+- its attention honours the 4-D mask it is given and the explicit ``position_ids`` (RoPE, partial RoPE, absolute
+  position embeddings read from the ids, NoPE layers),
+- no layer carries state along the row (Mamba/SSM, linear or delta-rule attention, short convolutions, RWKV/xLSTM,
+  hybrids of those with attention): the second completion would read the state the first one left,
+- nothing else in the forward depends on which tokens share a row (ALiBi or positions built from row indices, local
+  or chunked attention counted in row positions, a 2-D padding mask assumed).
+
+Whether a family meets it is *measured*, not assumed: ``scripts/sweep_architectures.py`` runs one DPO step and one
+reward step per family (and per window / MoE option) against stock TRL, and writes the results to
+``data/architectures.json``. :func:`check_supported_model` reads that file: a family is allowed when every measured
+variant gave stock's numbers; a refused family's error names the reason from :data:`REFUSED`.
+``tests/test_architectures.py`` re-runs the matrix of the supported families in CI.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from importlib import resources
+
+from transformers.utils import logging
+
+__all__ = [
+    "REFUSED",
+    "VARIANTS",
+    "registry",
+    "supported_model_types",
+    "check_supported_model",
+    "model_attn_implementation",
+    "window_layout",
+    "variant_configs",
+]
+
+logger = logging.get_logger(__name__)
+
+# ---------------------------------------------------------------------------------------------------- reasons
+RECURRENT = (
+    "recurrent or convolutional layers (Mamba/SSM, linear or delta-rule attention, short convolutions, RWKV/xLSTM) "
+    "carry state across the shared row: the second completion would read the state the first one left"
+)
+ROW_POSITIONS = (
+    "position information is built from row indices or the 2-D padding mask (ALiBi, learned offsets), not from "
+    "`position_ids`, so a completion placed after another one gets other positions than in its own row"
+)
+LOCAL_ROWS = (
+    "local or chunked attention is counted in row positions (chunks of the shared row), not in the original positions"
+)
+NOT_CAUSAL = "not a decoder-only causal LM (encoder or encoder-decoder): tokens attend both ways, a completion sees the other"
+MASK_2D = "the forward assumes a 2-D padding mask and does not honour a given 4-D mask"
+
+#: model_type -> why prefix sharing cannot give stock's numbers, known from the model's code (the sweep measured these
+#: differing from or failing against stock; `scripts/sweep_architectures.py --measure-refused` measures them again).
+#: Families refused by measurement alone carry the measured outcome as their reason in the registry.
+REFUSED: dict[str, str] = {
+    **dict.fromkeys(
+        ["bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear", "lfm2",
+         "lfm2_moe", "mamba", "mamba2", "minimax", "nemotron_h", "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
+         "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "recurrent_gemma", "rwkv", "xlstm", "zamba", "zamba2"],
+        RECURRENT),
+    **dict.fromkeys(["biogpt", "bloom", "cpmant", "mpt", "opt", "xglm"], ROW_POSITIONS),
+    **dict.fromkeys(["gpt_neo", "llama4", "llama4_text"], LOCAL_ROWS),
+    **dict.fromkeys(
+        ["bart", "bert", "bert-generation", "big_bird", "bigbird_pegasus", "blenderbot", "blenderbot-small",
+         "camembert", "data2vec-text", "electra", "ernie", "marian", "mbart", "megatron-bert", "musicgen",
+         "musicgen_melody", "mvp", "pegasus", "plbart", "prophetnet", "rembert", "roberta", "roberta-prelayernorm",
+         "roc_bert", "roformer", "trocr", "whisper", "xlm", "xlm-roberta", "xlm-roberta-xl", "xmod"],
+        NOT_CAUSAL),
+}
+
+#: `layer_types` entries that are not attention: any of them makes a model recurrent in the sense of the contract
+_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+# ---------------------------------------------------------------------------------------------------- variants
+#: The options a family is measured with beyond its default tiny config, under the config names it uses. A variant
+#: applies to a family whose config has the attribute named first.
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "sliding_window": ("sliding_window", {"sliding_window": 6}),
+    "router_aux_loss": ("output_router_logits", {"output_router_logits": True, "router_aux_loss_coef": 0.02}),
+}
+
+
+def variant_configs(config) -> dict[str, dict]:
+    """The variants that apply to this (default tiny) config: name -> config overrides (``"default"`` first)."""
+    out = {"default": {}}
+    for name, (attribute, overrides) in VARIANTS.items():
+        if hasattr(config, attribute):
+            overrides = dict(overrides)
+            if name == "sliding_window" and hasattr(config, "use_sliding_window"):
+                overrides.update(use_sliding_window=True, max_window_layers=1)  # Qwen: full + sliding layers
+            out[name] = overrides
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- registry
+@functools.lru_cache(maxsize=1)
+def registry() -> dict:
+    """The measured registry (``data/architectures.json``): ``{"supported": {model_type: entry}, "refused": {...}}``."""
+    text = resources.files("trl_prefix_sharing").joinpath("data/architectures.json").read_text()
+    return json.loads(text)
+
+
+def supported_model_types() -> tuple[str, ...]:
+    return tuple(sorted(registry()["supported"]))
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def check_supported_model(config) -> None:
+    """Raise a clear error for an architecture that is not proven to give stock's numbers under the shared layout."""
+    text_config = _text_config(config)
+    model_type = getattr(text_config, "model_type", None)
+    layer_types = set(getattr(text_config, "layer_types", None) or ())
+    other_layers = layer_types - _ATTENTION_LAYER_TYPES
+    way_out = "Train it with `prefix_sharing=False`."
+    if other_layers - {"chunked_attention"}:
+        raise ValueError(
+            f"Prefix sharing is refused for '{model_type}': its layers {sorted(other_layers)} "
+            f"are not attention; {RECURRENT}. {way_out}"
+        )
+    if "chunked_attention" in other_layers or getattr(text_config, "attention_chunk_size", None):
+        raise ValueError(f"Prefix sharing is refused for '{model_type}': {LOCAL_ROWS}. {way_out}")
+    refused = registry()["refused"].get(model_type) or REFUSED.get(model_type)
+    if refused is not None:
+        reason = refused["reason"] if isinstance(refused, dict) else refused
+        raise ValueError(f"Prefix sharing is refused for '{model_type}': {reason}. {way_out}")
+    entry = registry()["supported"].get(model_type)
+    if entry is None:
+        raise ValueError(
+            f"Prefix sharing is not measured for the model type '{model_type}', so its log-probs could differ from "
+            f"stock TRL. Measured equal: {', '.join(supported_model_types())}. To measure it: "
+            f"`python scripts/sweep_architectures.py {model_type} --write`; until then {way_out[0].lower() + way_out[1:]}"
+        )
+    window, _ = window_layout(text_config)
+    if window is not None and "sliding_window" not in entry.get("variants", ()):
+        raise ValueError(
+            f"Prefix sharing is measured equal for '{model_type}' without a sliding window only "
+            f"({_measured(entry, 'sliding_window')}); this config sets `sliding_window={window}`. {way_out}"
+        )
+    if getattr(text_config, "output_router_logits", False) and "router_aux_loss" not in entry.get("variants", ()):
+        raise ValueError(
+            f"Prefix sharing is measured equal for '{model_type}' without the router's auxiliary loss only "
+            f"({_measured(entry, 'router_aux_loss')}); this config sets `output_router_logits=True`. {way_out}"
+        )
+
+
+def _measured(entry: dict, variant: str) -> str:
+    outcomes = entry.get("failed_variants", {}).get(variant)
+    if not outcomes:
+        return f"{variant}: not measured"
+    return f"{variant}: " + "; ".join(f"{kind} {outcome}" for kind, outcome in outcomes.items() if outcome)
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+def model_attn_implementation(model, requested: str) -> str:
+    """The attention implementation this model runs the shared mask with, given the resolved request (``"sdpa"`` or
+    ``"flex_attention"``). A model class that does not support the request (softcapping or attention sinks refuse
+    SDPA, some classes refuse FlexAttention) gets the next one transformers supports for it, FlexAttention -> SDPA ->
+    eager (the mask then as an additive float mask), with a log line saying so."""
+    order = ("flex_attention", "sdpa", "eager")
+    supports = {
+        "flex_attention": getattr(model, "_supports_flex_attn", False),
+        "sdpa": getattr(model, "_supports_sdpa", False),
+        "eager": True,
+    }
+    for implementation in order[order.index(requested):]:
+        if supports[implementation]:
+            if implementation != requested:
+                logger.warning(
+                    f"Prefix sharing: {type(model).__name__} does not support `{requested}` attention (its class "
+                    f"declares so), so the shared mask runs on `{implementation}`"
+                    + (" as an additive float mask." if implementation == "eager" else ".")
+                )
+            return implementation
+    raise AssertionError("eager is always supported")
+
+
+def window_layout(config) -> tuple[int | None, bool]:
+    """(window, mixed): the sliding window the model applies (in positions), and whether only some layers use it.
+
+    A config with ``layer_types`` slides on its ``"sliding_attention"`` layers (Qwen2/3, Gemma 2/3, Cohere 2, GPT-OSS,
+    OLMo 3, ...); one without slides everywhere when ``sliding_window`` is set (Mistral, Phi-3, Starcoder2). Whether a
+    family's code really does so is what the sweep's ``sliding_window`` variant measures."""
+    text_config = _text_config(config)
+    window = getattr(text_config, "sliding_window", None)
+    layer_types = getattr(text_config, "layer_types", None)
+    if window is None:
+        return None, False
+    if layer_types is None:
+        return window, False
+    if "sliding_attention" not in layer_types:
+        return None, False
+    return window, "full_attention" in layer_types
