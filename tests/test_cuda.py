@@ -215,3 +215,31 @@ def test_long_row_step_does_not_materialise_the_score_matrix(tmp_path, tokenizer
     scores = 1 * heads * length * length * 4
     print(f"peak memory of a {length}-token step: {peak / 2**20:.1f} MiB; one layer's scores: {scores / 2**20:.0f} MiB")
     assert peak < scores / 10
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_grpo_and_online_dpo_flex_log_probs_and_gradients_match_stock(tmp_path, tokenizer, family):
+    """GRPO's passes and online DPO's `_forward` through FlexAttention (left-padded prompts, groups, scored padding):
+    log-probs and gradients equal stock TRL's on a crafted generated batch."""
+    from group_equivalence import make_group_trainer, prompt_dataset, save_model
+    from test_grpo_equivalence import crafted_batch, logps_and_grads
+    from test_online_dpo_equivalence import forward_and_grads
+    from test_online_dpo_equivalence import make_trainers as make_online_dpo_trainers
+
+    input_ids, attention_mask, keep = crafted_batch(tokenizer)
+    input_ids, attention_mask = input_ids.cuda(), attention_mask.cuda()
+    path = save_model(tmp_path, family, tokenizer)
+    stock, shared = (make_group_trainer("grpo", ours, path, prompt_dataset(), tokenizer, tmp_path, use_cpu=False)
+                     for ours in (False, True))
+    assert shared._attn_implementation == "flex_attention"
+    expected, got = (logps_and_grads(t, input_ids, attention_mask, keep) for t in (stock, shared))
+    torch.testing.assert_close(got[0], expected[0], atol=1e-4, rtol=1e-4)
+    for name, grad in expected[2].items():
+        torch.testing.assert_close(got[2][name], grad, atol=1e-4, rtol=1e-3)
+    stock, shared = make_online_dpo_trainers(tmp_path / "online", family, tokenizer, use_cpu=False)
+    assert shared._attn_implementation == "flex_attention"
+    (expected, expected_grads), (got, grads) = (forward_and_grads(t, input_ids, attention_mask, keep)
+                                                for t in (stock, shared))
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-4, rtol=1e-3)

@@ -54,7 +54,7 @@ def logps_and_grads(trainer, input_ids, attention_mask, logits_to_keep):
     logps, entropies, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask,
                                                                     logits_to_keep, batch_size=5, compute_entropy=True)
     mask = attention_mask[:, -logits_to_keep:].float()
-    weights = torch.linspace(-1, 1, mask.numel()).view_as(mask)
+    weights = torch.linspace(-1, 1, mask.numel(), device=mask.device).view_as(mask)
     (logps * mask * weights).sum().backward()
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     return logps.detach() * mask, entropies.detach() * mask, grads

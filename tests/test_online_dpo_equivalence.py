@@ -40,7 +40,7 @@ def forward_and_grads(trainer, input_ids, attention_mask, keep):
     trainer.model.zero_grad(set_to_none=True)
     logps = trainer._forward(trainer.model, input_ids[:, :-keep], attention_mask[:, :-keep], input_ids[:, -keep:],
                              attention_mask[:, -keep:])
-    (logps * torch.linspace(-1, 1, logps.numel()).view_as(logps)).sum().backward()
+    (logps * torch.linspace(-1, 1, logps.numel(), device=logps.device).view_as(logps)).sum().backward()
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     return logps.detach(), grads
 

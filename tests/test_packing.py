@@ -170,7 +170,7 @@ def test_mask_that_forgets_documents_fails(tmp_path, tokenizer, monkeypatch):
     stock_result = step(stock, examples)
     assert_same_step(stock_result, step(packed, examples))  # the real mask passes
     monkeypatch.setattr(attention_module, "dpo_mask",
-                        lambda document_ids, branch_ids, position_ids=None, window=None: and_masks(
+                        lambda document_ids, branch_ids, position_ids=None, window=None, key_visible=None: and_masks(
                             causal, prefix_or_same_branch(branch_ids)))
     with pytest.raises(AssertionError):
         assert_same_step(stock_result, step(packed, examples))

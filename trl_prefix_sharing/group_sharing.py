@@ -102,7 +102,7 @@ class GroupSharingTrainerMixin(SharingSetupMixin):
                  processing_class=None, *more, **kwargs):
         """Exactly the arguments of TRL's trainer."""
         self._init_sharing_setup()
-        self._positions = {"stock": 0, "shared": 0}
+        self._shared_positions = 0
         self._sharing_logged = False
         if args is not None and getattr(args, "prefix_sharing", False):
             if not isinstance(args, self._config_class):
@@ -150,13 +150,12 @@ class GroupSharingTrainerMixin(SharingSetupMixin):
 
     # ----------------------------------------------------------------------------------------------- metrics
     def _count_positions(self, attention_mask, layout) -> None:
-        """Token positions of the training forward, stock and shared (all ranks): `num_shared_tokens`, and a log line
-        after the first step."""
+        """Token positions the training forward computes (all ranks): `num_shared_tokens`, and a log line comparing
+        them with stock's after the first step."""
         counts = torch.stack([attention_mask.sum(), (layout["document_ids"] >= 0).sum()]).to(attention_mask.device)
         stock, shared = self.accelerator.gather_for_metrics(counts.unsqueeze(0)).sum(0).tolist()
-        self._positions["stock"] += stock
-        self._positions["shared"] += shared
-        self._metrics["train"]["num_shared_tokens"] = [self._positions["shared"]]
+        self._shared_positions += shared
+        self._metrics["train"]["num_shared_tokens"] = [self._shared_positions]
         if not self._sharing_logged and self.args.should_log:
             logger.warning(
                 f"Prefix sharing: the first training batch computes {shared} token positions where stock TRL computes "
