@@ -13,7 +13,8 @@ policy with backward, and of the reference). Timed repeats
 of the variants are interleaved (rotating order) and the median taken: ratios from one run, since the machine is
 noisy. Generation (the model's own `generate` of the same lengths, which prefix sharing does not change) is timed once
 per profile to report the speedup with generation included. The ideal is the ratio of positions the model runs,
-stock / shared, measured on the batches: `G(P+C) / (P+GC)` for equal lengths. Activation memory: bytes autograd
+stock / shared, measured on the batches: `G(P+C) / (P+GC)` for equal lengths (online DPO: stock's scored positions,
+its completions' trailing padding included, which the shared layout scores too). Activation memory: bytes autograd
 saves for backward in one step. Writes `<trainer>_<mode>.md` and `.json`.
 """
 
@@ -28,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark import build_model, quiet_setup  # noqa: E402
@@ -172,7 +174,7 @@ def run(profile, g, model, tokenizer, args, tmp):
     cuda = args.mode == "gpu"
     device = "cuda" if cuda else "cpu"
     batch = generation_batch(profile, args.groups_per_step * args.micro_batches, g, args.length_scale, len(tokenizer),
-                             tokenizer.pad_token_id, tokenizer.eos_token_id, seed=hash((profile, g)) % 1000,
+                             tokenizer.pad_token_id, tokenizer.eos_token_id, seed=zlib.crc32(f"{profile}/{g}".encode()),
                              device=device)
     batches = micro_batches(batch, args.rows)
     trainers = {variant: make_trainer(variant, model, tokenizer, args, tmp) for variant in ("stock", "sharing")}
@@ -182,7 +184,10 @@ def run(profile, g, model, tokenizer, args, tmp):
     for repeat in range(args.repeats):
         for variant in order[repeat % 2:] + order[: repeat % 2]:
             times[variant].append(training_step(trainers[variant], batches, cuda, args)[0])
-    stock_positions = int(torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1).sum())
+    stock_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    if args.trainer == "online_dpo":  # stock scores each row from its first token to its end (trailing padding too)
+        stock_mask = stock_mask.cumsum(dim=1) > 0
+    stock_positions = int(stock_mask.sum())
     from trl_prefix_sharing.group_sharing import shared_group_layout
 
     shared_positions = 0
