@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from trl.experimental.online_dpo import OnlineDPOConfig as _TRLOnlineDPOConfig
 from trl.experimental.online_dpo import OnlineDPOTrainer as _TRLOnlineDPOTrainer
 
@@ -91,8 +92,6 @@ class OnlineDPOTrainer(SharingSetupMixin, _TRLOnlineDPOTrainer):
         if vision_inputs is not None:
             raise ValueError("Prefix sharing for online DPO is text-only; train vision prompts with "
                              "`prefix_sharing=False`.")
-        import torch
-
         # TRL's left truncation to `max_length`
         truncate = max(prompt_ids.size(1) + completion_ids.size(1) - self.max_length, 0)
         prompt_ids, prompt_mask = prompt_ids[:, truncate:], prompt_mask[:, truncate:]

@@ -122,22 +122,23 @@ def main(command: str, script_args, training_args, model_args, dataset_args) -> 
     trainer_cls = {"dpo": DPOTrainer, "reward": RewardTrainer, "grpo": GRPOTrainer, "rloo": RLOOTrainer,
                    "online_dpo": OnlineDPOTrainer}[command]
     rewards = {"reward_funcs": load_reward_funcs(script_args)} if command in ("grpo", "rloo", "online_dpo") else {}
-    quantization = {"quantization_config": get_quantization_config(model_args)}
+    loading = {"quantization_config": get_quantization_config(model_args)}  # how the trainer loads the model
     if command == "online_dpo":  # its trainer takes no `quantization_config` (the model is loaded with these kwargs)
         from transformers import AutoTokenizer  # and loads no tokenizer of its own
 
-        if quantization["quantization_config"] is not None:
-            training_args.model_init_kwargs["quantization_config"] = quantization["quantization_config"]
-        quantization = {"processing_class": AutoTokenizer.from_pretrained(
+        quantization_config = loading.pop("quantization_config")
+        if quantization_config is not None:
+            training_args.model_init_kwargs["quantization_config"] = quantization_config
+        loading["processing_class"] = AutoTokenizer.from_pretrained(
             model_args.model_name_or_path, revision=model_args.model_revision,
-            trust_remote_code=training_args.trust_remote_code)}
+            trust_remote_code=training_args.trust_remote_code)
     trainer = trainer_cls(
         model=model_args.model_name_or_path,
         **rewards,
         args=training_args,
         train_dataset=dataset[script_args.dataset_train_split],
         eval_dataset=eval_dataset,
-        **quantization,
+        **loading,
         peft_config=get_peft_config(model_args),
     )
     if command == "dpo" and script_args.ignore_bias_buffers:
@@ -172,7 +173,8 @@ def release_distributed_wrappers(trainer) -> None:
 
 
 def run_script(command: str) -> None:
-    """Entry point of the launched scripts (`cli/dpo.py`, `cli/reward.py`, `cli/grpo.py`, `cli/rloo.py`, `cli/online_dpo.py`)."""
+    """Entry point of the launched scripts (`cli/dpo.py`, `cli/reward.py`, `cli/grpo.py`, `cli/rloo.py`,
+    `cli/online_dpo.py`)."""
     parser = make_parser(command)
     script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(fail_with_unknown_args=False)
     main(command, script_args, training_args, model_args, dataset_args)
