@@ -36,7 +36,7 @@ VARIANTS = ["stock", "sharing", "packing", "sharing+packing"]
 def synthetic_dataset(profile, n, scale, seed, sigma=0.5):
     from datasets import Dataset
 
-    from trl_prefix_sharing.tiny import WORDS
+    from trl_prefix_sharing.testing import WORDS
 
     p_med, c_med = PROFILES[profile]
     rng = random.Random(f"{profile}-{seed}")
@@ -217,7 +217,7 @@ def run_profile(kind, model, tokenizer, dataset, args, tmp):
 def build_model(kind, tokenizer, args):
     import torch
 
-    from trl_prefix_sharing.tiny import make_config
+    from trl_prefix_sharing.testing import make_config
 
     if args.mode == "cpu":
         sizes = dict(hidden_size=args.hidden_size, num_layers=args.layers)
@@ -383,7 +383,7 @@ def quiet_setup(gpu: bool):
     import torch
     from transformers.utils import logging as hf_logging
 
-    from trl_prefix_sharing.tiny import make_tokenizer
+    from trl_prefix_sharing.testing import make_tokenizer
 
     datasets.disable_progress_bars()
     hf_logging.set_verbosity_error()

@@ -97,8 +97,10 @@ def make_trainer(variant, model, tokenizer, args, tmp):
         trainer.beta = args.beta
         trainer.ref_model = copy.deepcopy(model).eval()
         add_fused_lm_head(trainer.ref_model)
-        if variant == "sharing":
-            trainer._patch_models()
+        if variant == "sharing":  # set up again, the reference model included
+            trainer.sharing.detach()
+            trainer.sharing = None
+            trainer._setup_prefix_sharing()
     return trainer
 
 
@@ -188,7 +190,7 @@ def run(profile, g, model, tokenizer, args, tmp):
     if args.trainer == "online_dpo":  # stock scores each row from its first token to its end (trailing padding too)
         stock_mask = stock_mask.cumsum(dim=1) > 0
     stock_positions = int(stock_mask.sum())
-    from trl_prefix_sharing.group_sharing import shared_group_layout
+    from trl_prefix_sharing.layout import shared_group_layout
 
     shared_positions = 0
     for b in batches:

@@ -44,7 +44,7 @@ def main():
     import trl
 
     from trl_prefix_sharing import DPOConfig, DPOTrainer
-    from trl_prefix_sharing.tiny_vision import make_vision_model, make_vision_processor, synthetic_image_pairs
+    from trl_prefix_sharing.testing.vision import make_vision_model, make_vision_processor, synthetic_image_pairs
 
     datasets.disable_progress_bars()
     torch.set_num_threads(args.threads)

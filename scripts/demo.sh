@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-.venv/bin/python -m trl_prefix_sharing.demo "$@"
+PYTHONPATH=. .venv/bin/python scripts/demo.py "$@"

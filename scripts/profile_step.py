@@ -67,12 +67,12 @@ def instrumented(clock: Clock):
     import trl.trainer.utils as trl_utils
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    import trl_prefix_sharing.sharing_trainer as sharing_trainer
+    import trl_prefix_sharing.sharing as sharing_module
 
     saved_attention = {name: ALL_ATTENTION_FUNCTIONS[name] for name in ("sdpa", "flex_attention", "eager")
                        if name in ALL_ATTENTION_FUNCTIONS}
     head = trl_utils._ChunkedLogProbFunction
-    mask_builder = sharing_trainer.build_attention_mask
+    mask_builder = sharing_module.build_attention_mask
 
     class TimedHead:
         @staticmethod
@@ -84,13 +84,13 @@ def instrumented(clock: Clock):
         for name, fn in saved_attention.items():
             ALL_ATTENTION_FUNCTIONS[name] = clock.wrap("  attention", fn)
         trl_utils._ChunkedLogProbFunction = TimedHead
-        sharing_trainer.build_attention_mask = clock.wrap("mask", mask_builder)
+        sharing_module.build_attention_mask = clock.wrap("mask", mask_builder)
         yield
     finally:
         for name, fn in saved_attention.items():
             ALL_ATTENTION_FUNCTIONS[name] = fn
         trl_utils._ChunkedLogProbFunction = head
-        sharing_trainer.build_attention_mask = mask_builder
+        sharing_module.build_attention_mask = mask_builder
 
 
 def profile_trainer(trainer, clock: Clock, steps: list[list[dict]]):

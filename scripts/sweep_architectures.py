@@ -62,7 +62,7 @@ def measure(family: str, tokenizer, dataset) -> dict:
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
     from trl_prefix_sharing.architectures import variant_configs, window_layout
-    from trl_prefix_sharing.tiny import make_config
+    from trl_prefix_sharing.testing import make_config
 
     has_head = family in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
     try:
@@ -102,7 +102,7 @@ def measure(family: str, tokenizer, dataset) -> dict:
 def summarise(family: str, results: dict, tokenizer) -> tuple[str, dict]:
     """("supported" | "refused", registry entry)."""
     from trl_prefix_sharing.architectures import REFUSED
-    from trl_prefix_sharing.tiny import make_config
+    from trl_prefix_sharing.testing import make_config
 
     default = results["default"]
     equal = [name for name, r in results.items() if r.get("dpo") == "equal" and r.get("reward") in (None, "equal")]
@@ -146,7 +146,7 @@ def _causal_lm_class(config):
 
 def readme_table(registry: dict) -> str:
     from trl_prefix_sharing.architectures import variant_configs
-    from trl_prefix_sharing.tiny import make_config
+    from trl_prefix_sharing.testing import make_config
 
     def option(entry, config, name):
         if name in entry["variants"]:
@@ -193,12 +193,12 @@ def main() -> None:
     import conftest  # noqa: F401  - the tests' environment (quiet, 2 threads)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    import trl_prefix_sharing.sharing_trainer as sharing_trainer
+    import trl_prefix_sharing.sharing as sharing_module
     from equivalence import awkward_text_dataset
     from trl_prefix_sharing.architectures import REFUSED
-    from trl_prefix_sharing.tiny import make_tokenizer
+    from trl_prefix_sharing.testing import make_tokenizer
 
-    sharing_trainer.check_supported_model = lambda config: None  # measure every candidate, refused ones included
+    sharing_module.check_supported_model = lambda config: None  # measure every candidate, refused ones included
     tokenizer, dataset = make_tokenizer(), awkward_text_dataset()
     families = args.families or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     registry = json.loads(args.registry.read_text()) if args.registry.exists() else {"supported": {}, "refused": {}}

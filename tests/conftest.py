@@ -16,6 +16,6 @@ torch.set_num_threads(2)
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from trl_prefix_sharing.tiny import make_tokenizer
+    from trl_prefix_sharing.testing import make_tokenizer
 
     return make_tokenizer()

@@ -24,7 +24,7 @@ import trl  # noqa: E402
 from distributed_train import ReplayRanks, finish  # noqa: E402
 
 from trl_prefix_sharing import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer  # noqa: E402
-from trl_prefix_sharing.tiny import make_config, make_model, make_tokenizer, synthetic_pairs  # noqa: E402
+from trl_prefix_sharing.testing import make_config, make_model, make_tokenizer, synthetic_pairs  # noqa: E402
 
 
 def make_models(tokenizer) -> dict:

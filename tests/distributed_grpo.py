@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from distributed_train import finish  # noqa: E402
 from group_equivalence import make_group_trainer, prompt_dataset, save_model  # noqa: E402
 
-from trl_prefix_sharing.tiny import make_tokenizer  # noqa: E402
+from trl_prefix_sharing.testing import make_tokenizer  # noqa: E402
 
 
 def main():

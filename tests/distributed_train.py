@@ -20,8 +20,8 @@ import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from trl_prefix_sharing import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer  # noqa: E402
-from trl_prefix_sharing.sharing_trainer import _TrainerMultipackSampler  # noqa: E402
-from trl_prefix_sharing.tiny import make_config, make_model, make_tokenizer, synthetic_pairs  # noqa: E402
+from trl_prefix_sharing.packing import TrainerMultipackSampler  # noqa: E402
+from trl_prefix_sharing.testing import make_config, make_model, make_tokenizer, synthetic_pairs  # noqa: E402
 
 
 class CountBatches(TrainerCallback):
@@ -32,7 +32,7 @@ class CountBatches(TrainerCallback):
         self.steps += 1
 
 
-class ReplayRanks(_TrainerMultipackSampler):
+class ReplayRanks(TrainerMultipackSampler):
     """One process yields, step by step, the union of the batches all `num_replicas` ranks take."""
 
     def __iter__(self):

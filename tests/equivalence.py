@@ -11,7 +11,7 @@ import trl
 from datasets import Dataset
 
 from trl_prefix_sharing import DPOConfig, DPOTrainer
-from trl_prefix_sharing.tiny import make_model
+from trl_prefix_sharing.testing import make_model
 
 _counter = itertools.count()
 
@@ -146,7 +146,7 @@ def conversational_dataset() -> Dataset:
 def make_reward_model(family, tokenizer, seed=0, **config_kwargs):
     from transformers import AutoModelForSequenceClassification
 
-    from trl_prefix_sharing.tiny import make_config
+    from trl_prefix_sharing.testing import make_config
 
     attn_implementation = config_kwargs.pop("attn_implementation", "sdpa")
     config = copy.deepcopy(make_config(family, len(tokenizer), num_labels=1, **config_kwargs))
@@ -260,7 +260,7 @@ def family_config_kwargs(family, variant="default"):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from trl_prefix_sharing.architectures import variant_configs
-    from trl_prefix_sharing.tiny import make_config
+    from trl_prefix_sharing.testing import make_config
 
     config = make_config(family, 8)
     attn_implementation = "sdpa" if MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._supports_sdpa else "eager"

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from trl_prefix_sharing.attention import build_attention_mask  # noqa: E402
 from trl_prefix_sharing.collator import PrefixSharingCollator  # noqa: E402
 from trl_prefix_sharing.forward import install_prefix_sharing_forward  # noqa: E402
-from trl_prefix_sharing.tiny import make_config, make_tokenizer  # noqa: E402
+from trl_prefix_sharing.testing import make_config, make_tokenizer  # noqa: E402
 
 PAIRS = [("w1 w2 w3 w4 w5", " w6 w7", " w8"), ("w9 w10", " w11", " w12 w13 w14"),
          ("w20 w21 w22 w23 w24 w25 w26", " w27 w28 w29", " w27 w30"), ("w31", " w32", " w32")]

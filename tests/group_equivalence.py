@@ -10,7 +10,7 @@ import trl
 from datasets import Dataset
 
 from trl_prefix_sharing import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-from trl_prefix_sharing.tiny import make_model
+from trl_prefix_sharing.testing import make_model
 
 _counter = itertools.count()
 TRAINERS = {"grpo": (trl.GRPOTrainer, trl.GRPOConfig, GRPOTrainer, GRPOConfig),

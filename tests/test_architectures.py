@@ -20,7 +20,7 @@ from equivalence import (
 import trl_prefix_sharing.attention as attention_module
 from trl_prefix_sharing import DPOTrainer
 from trl_prefix_sharing.architectures import REFUSED, check_supported_model, registry, window_layout
-from trl_prefix_sharing.tiny import make_config, make_model
+from trl_prefix_sharing.testing import make_config, make_model
 
 SUPPORTED = registry()["supported"]
 
@@ -162,7 +162,7 @@ def test_flex_attention_forward_matches_stock(tmp_path, tokenizer, family, varia
     if family not in SUPPORTED or variant not in SUPPORTED[family]["variants"]:
         pytest.skip(f"{family} {variant} is not in the registry")
     stock, shared = _dpo(tmp_path, tokenizer, family, variant)
-    shared._attn_implementation = "flex_attention"
+    shared.sharing.attn_implementation = "flex_attention"
     shared.model.set_attn_implementation("flex_attention")
     examples = list(stock.train_dataset)
     results = []
@@ -193,11 +193,16 @@ def test_unsupported_architecture_error_names_the_reason(tmp_path, tokenizer):
     ({"_supports_flex_attn": True, "_supports_sdpa": False}, "sdpa", "eager"),  # softcapping, sinks
 ])
 def test_attention_implementation_per_model_class_is_logged(supports, requested, expected):
+    """The one place that decides the kernel: a class that does not support the request falls back, with a warning."""
+    from types import SimpleNamespace
+
     from transformers.testing_utils import CaptureLogger
 
-    import trl_prefix_sharing.architectures as architectures
-
-    model = type("SomeModel", (), supports)()
-    with CaptureLogger(architectures.logger) as captured:
-        assert architectures.model_attn_implementation(model, requested) == expected
-    assert (f"runs on `{expected}`" in captured.out) == (expected != requested)
+    model = type("SomeModel", (), {**supports, "config": SimpleNamespace()})()
+    assert attention_module.model_attn_implementation(model, requested) == expected
+    with CaptureLogger(attention_module.logger) as captured:  # "auto" on CUDA is FlexAttention
+        chosen = attention_module.choose_attn_implementation([model], requested, torch.device("cuda"))
+    assert chosen == expected
+    assert (f"runs on `{expected}` as" in captured.out and f"not `{requested}`" in captured.out) == (
+        expected != requested
+    )

@@ -25,7 +25,7 @@ def _console_script():
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, tokenizer):
-    from trl_prefix_sharing.tiny import make_model, synthetic_pairs
+    from trl_prefix_sharing.testing import make_model, synthetic_pairs
 
     root = tmp_path_factory.mktemp("cli")
     make_model("llama", len(tokenizer)).save_pretrained(root / "model")

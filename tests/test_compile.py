@@ -10,8 +10,8 @@ import torch
 from compile_watch import CompileWatch, compile_schedule
 from equivalence import make_trainers
 
-from trl_prefix_sharing import attention, mask, trainer_setup
-from trl_prefix_sharing.tiny import synthetic_pairs
+from trl_prefix_sharing import attention, mask
+from trl_prefix_sharing.testing import synthetic_pairs
 
 #: compiled variants each of `create_block_mask` and `flex_attention` may need: the first shape, and the row count
 #: made dynamic by the epoch's shorter last batch. The shared width stays in one bucket: on CPU a dynamic width hits a
@@ -23,7 +23,7 @@ MAX_VARIANTS = 2
 def as_on_cuda(monkeypatch):
     """The trainer's own CUDA set-up, on CPU: FlexAttention (refused on CPU only because it has no backward there)
     and the compiled `create_block_mask` (compiled by default on CUDA only)."""
-    monkeypatch.setattr(trainer_setup, "resolve_attn_implementation", lambda requested, device: "flex_attention")
+    monkeypatch.setattr(attention, "resolve_attn_implementation", lambda requested, device: "flex_attention")
     monkeypatch.setattr(attention, "block_mask", functools.partial(mask.block_mask, compile=True))
 
 
@@ -43,7 +43,7 @@ def test_flex_attention_compiles_a_bounded_number_of_times_and_equals_stock(tmp_
     stock, shared = make_trainers(tmp_path, "llama", train, tokenizer, eval_dataset=evaluation)
     for trainer in (stock, shared):
         trainer.ref_model.eval()  # as `from_pretrained` leaves it: every step switches FlexAttention's training flag
-    assert shared._attn_implementation == "flex_attention" and shared.data_collator.pad_to_multiple_of == 128
+    assert shared.sharing.attn_implementation == "flex_attention" and shared.data_collator.pad_to_multiple_of == 128
     datasets = {"train": (stock.train_dataset, shared.train_dataset), "eval": (stock.eval_dataset, shared.eval_dataset)}
     schedule = compile_schedule(len(train), len(evaluation), batch_size=4, steps=30, eval_every=10)
     widths, rows = set(), set()

@@ -24,7 +24,7 @@ from equivalence import (
 from test_reward_equivalence import ranked_dataset
 
 from trl_prefix_sharing.ranked import expand_ranked_to_pairs
-from trl_prefix_sharing.tiny import FAMILIES, make_model, synthetic_pairs
+from trl_prefix_sharing.testing import FAMILIES, make_model, synthetic_pairs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlexAttention backward)")
 
@@ -45,7 +45,7 @@ def exact_fp32_and_fresh_compiles():
 
 
 def _check_flex(trainer, batch):
-    assert trainer._attn_implementation == "flex_attention"
+    assert trainer.sharing.attn_implementation == "flex_attention"
     assert trainer.model.is_gradient_checkpointing
     masks = batch["prefix_sharing"]["attention_mask"]
     masks = masks.values() if isinstance(masks, dict) else [masks]
@@ -231,13 +231,13 @@ def test_grpo_and_online_dpo_flex_log_probs_and_gradients_match_stock(tmp_path, 
     path = save_model(tmp_path, family, tokenizer)
     stock, shared = (make_group_trainer("grpo", ours, path, prompt_dataset(), tokenizer, tmp_path, use_cpu=False)
                      for ours in (False, True))
-    assert shared._attn_implementation == "flex_attention"
+    assert shared.sharing.attn_implementation == "flex_attention"
     expected, got = (logps_and_grads(t, input_ids, attention_mask, keep) for t in (stock, shared))
     torch.testing.assert_close(got[0], expected[0], atol=1e-4, rtol=1e-4)
     for name, grad in expected[2].items():
         torch.testing.assert_close(got[2][name], grad, atol=1e-4, rtol=1e-3)
     stock, shared = make_online_dpo_trainers(tmp_path / "online", family, tokenizer, use_cpu=False)
-    assert shared._attn_implementation == "flex_attention"
+    assert shared.sharing.attn_implementation == "flex_attention"
     (expected, expected_grads), (got, grads) = (forward_and_grads(t, input_ids, attention_mask, keep)
                                                 for t in (stock, shared))
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

@@ -18,7 +18,7 @@ from equivalence import (
 )
 
 from trl_prefix_sharing import DPOTrainer, RewardTrainer
-from trl_prefix_sharing.tiny import make_model
+from trl_prefix_sharing.testing import make_model
 
 TOOLS = json.dumps([
     {"type": "function", "function": {"name": "w7", "description": "look up a word",

@@ -5,18 +5,22 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from equivalence import make_trainers
 
-from trl_prefix_sharing.demo import TakeTurns
-from trl_prefix_sharing.quiet import STARTUP_LINES
-from trl_prefix_sharing.tiny import synthetic_pairs
+from trl_prefix_sharing.cli.quiet import STARTUP_LINES
+from trl_prefix_sharing.testing import synthetic_pairs
+
+DEMO = Path(__file__).resolve().parents[1] / "scripts" / "demo.py"
+sys.path.insert(0, str(DEMO.parent))
+from demo import TakeTurns  # noqa: E402
 
 
 def test_demo_output(tmp_path):
     env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "trl_prefix_sharing", "demo", "--steps", "3", "--hidden-size", "32",
+    proc = subprocess.run([sys.executable, str(DEMO), "--steps", "3", "--hidden-size", "32",
                            "--layers", "1"], capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     output = proc.stdout + proc.stderr

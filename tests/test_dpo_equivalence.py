@@ -13,7 +13,7 @@ from equivalence import (
 )
 
 import trl_prefix_sharing.attention as attention_module
-from trl_prefix_sharing.tiny import FAMILIES, synthetic_pairs
+from trl_prefix_sharing.testing import FAMILIES, synthetic_pairs
 
 DATA = {
     "awkward_text": lambda: (awkward_text_dataset(), {}),
@@ -99,7 +99,7 @@ def test_precompute_ref_log_probs_matches_stock(tmp_path, tokenizer, packing):
 
 
 def test_reference_reloaded_from_model_path(tmp_path, tokenizer):
-    from trl_prefix_sharing.tiny import make_model
+    from trl_prefix_sharing.testing import make_model
 
     path = tmp_path / "policy"
     make_model("mistral", len(tokenizer), seed=5).save_pretrained(path)
@@ -154,7 +154,7 @@ def test_training_and_evaluation_match_stock(tmp_path, tokenizer, gradient_check
 
 def test_prefix_sharing_off_is_stock(tmp_path, tokenizer):
     from trl_prefix_sharing import DPOTrainer
-    from trl_prefix_sharing.tiny import make_model
+    from trl_prefix_sharing.testing import make_model
 
     model, ref = make_model("qwen2", len(tokenizer)), make_model("qwen2", len(tokenizer), seed=1)
     stock, trainer = make_trainers(tmp_path, "qwen2", awkward_text_dataset(), tokenizer, model=model, ref_model=ref,

@@ -7,7 +7,7 @@ from datasets import Dataset
 from equivalence import compare_step, make_reward_model, make_trainers, reward_args
 
 from trl_prefix_sharing import DPOTrainer, RewardTrainer
-from trl_prefix_sharing.tiny import WORDS, make_model
+from trl_prefix_sharing.testing import WORDS, make_model
 
 
 def _random_dataset(seed, n=8):

@@ -14,8 +14,9 @@ from group_equivalence import (
 
 import trl_prefix_sharing.attention as attention_module
 from trl_prefix_sharing import GRPOConfig, GRPOTrainer
-from trl_prefix_sharing.group_sharing import shared_group_layout, shuffle_keeping_groups
-from trl_prefix_sharing.tiny import FAMILIES
+from trl_prefix_sharing.group_sharing import shuffle_keeping_groups
+from trl_prefix_sharing.layout import shared_group_layout
+from trl_prefix_sharing.testing import FAMILIES
 
 
 @pytest.fixture(scope="module")

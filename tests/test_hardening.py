@@ -8,7 +8,7 @@ import trl
 from equivalence import awkward_text_dataset, compare_step, dpo_args, make_trainers
 
 from trl_prefix_sharing import DPOTrainer
-from trl_prefix_sharing.tiny import make_model, synthetic_pairs
+from trl_prefix_sharing.testing import make_model, synthetic_pairs
 
 
 def _losses(trainer):

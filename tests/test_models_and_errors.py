@@ -9,7 +9,7 @@ from equivalence import awkward_text_dataset, compare_step, dpo_args, make_train
 
 from trl_prefix_sharing import DPOConfig, DPOTrainer
 from trl_prefix_sharing.attention import AttentionSwitch, resolve_attn_implementation
-from trl_prefix_sharing.tiny import make_model
+from trl_prefix_sharing.testing import make_model
 
 
 @pytest.mark.parametrize(
@@ -61,7 +61,7 @@ def test_remove_prefix_sharing_restores_forward(tmp_path, tokenizer):
     assert "_prefix_sharing_original_forward" in policy.__dict__
     shared.remove_prefix_sharing()
     assert "_prefix_sharing_original_forward" not in policy.__dict__
-    assert not shared.args.prefix_sharing
+    assert not shared.prefix_sharing and shared.args.prefix_sharing  # the config is left as the user gave it
     batch = shared.data_collator([shared.train_dataset[0]])
     assert "prefix_sharing" not in batch
 
@@ -76,7 +76,7 @@ def test_flex_attention_through_the_model_matches_stock(tmp_path, tokenizer, fam
     from torch.nn.attention.flex_attention import BlockMask
 
     stock, shared = make_trainers(tmp_path, family, awkward_text_dataset(), tokenizer, config_kwargs=config_kwargs)
-    shared._attn_implementation = "flex_attention"
+    shared.sharing.attn_implementation = "flex_attention"
     shared.model.set_attn_implementation("flex_attention")
     examples = [stock.train_dataset[i] for i in range(len(stock.train_dataset))]
     results = []

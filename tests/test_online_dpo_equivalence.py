@@ -15,7 +15,7 @@ from trl.experimental.online_dpo import OnlineDPOTrainer as StockTrainer
 import trl_prefix_sharing.attention as attention_module
 import trl_prefix_sharing.mask as mask_module
 from trl_prefix_sharing import OnlineDPOConfig, OnlineDPOTrainer
-from trl_prefix_sharing.tiny import FAMILIES, make_model
+from trl_prefix_sharing.testing import FAMILIES, make_model
 
 
 def make_trainers(tmp_path, family, tokenizer, dataset=None, peft_config=None, **overrides):

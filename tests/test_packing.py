@@ -7,7 +7,7 @@ from equivalence import assert_same_eval_metrics, assert_same_step, awkward_text
 
 from transformers.trainer_pt_utils import BatchRebalanceSampler
 
-from trl_prefix_sharing.tiny import synthetic_pairs
+from trl_prefix_sharing.testing import synthetic_pairs
 
 
 def _packed_step(trainer, micro_batches):

@@ -16,7 +16,7 @@ from equivalence import (
 
 import trl_prefix_sharing.attention as attention_module
 from trl_prefix_sharing.ranked import expand_ranked_to_pairs
-from trl_prefix_sharing.tiny import FAMILIES, synthetic_pairs
+from trl_prefix_sharing.testing import FAMILIES, synthetic_pairs
 
 
 def _with_margin(dataset):

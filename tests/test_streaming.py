@@ -14,7 +14,7 @@ from equivalence import (
 )
 
 from trl_prefix_sharing import DPOTrainer
-from trl_prefix_sharing.tiny import make_model, synthetic_pairs
+from trl_prefix_sharing.testing import make_model, synthetic_pairs
 
 MAX_LENGTH = 64
 

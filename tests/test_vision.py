@@ -13,7 +13,7 @@ pytest.importorskip("PIL", reason="the image processor needs Pillow")
 import trl_prefix_sharing.attention as attention_module  # noqa: E402
 import trl_prefix_sharing.vision as vision_module  # noqa: E402
 from trl_prefix_sharing import DPOTrainer  # noqa: E402
-from trl_prefix_sharing.tiny_vision import (  # noqa: E402
+from trl_prefix_sharing.testing.vision import (  # noqa: E402
     VISION_FAMILIES,
     make_vision_config,
     make_vision_model,
@@ -164,10 +164,10 @@ def test_unproven_vision_families_are_refused(tmp_path, processors):
         DPOTrainer(model=str(tmp_path / "llava"), args=dpo_args(tmp_path, True), train_dataset=dataset,
                    processing_class=processors["qwen2_vl"])
     # transformers' Qwen VL models refuse flex_attention: "auto" (Flex on CUDA) means SDPA for them, explicit Flex fails
-    assert vision_module.vision_attn_implementation("auto", "flex_attention") == "sdpa"
-    assert vision_module.vision_attn_implementation("sdpa", "sdpa") == "sdpa"
+    assert attention_module.vision_attn_implementation("auto", "flex_attention") == "sdpa"
+    assert attention_module.vision_attn_implementation("sdpa", "sdpa") == "sdpa"
     with pytest.raises(ValueError, match="prefix_sharing_attn_implementation='sdpa'"):
-        vision_module.vision_attn_implementation("flex_attention", "flex_attention")
+        attention_module.vision_attn_implementation("flex_attention", "flex_attention")
     sliding = make_vision_config("qwen2_vl", processors["qwen2_vl"].tokenizer)
     sliding.text_config.use_sliding_window = True
     with pytest.raises(ValueError, match="sliding-window"):
@@ -178,7 +178,7 @@ def test_reward_trainer_refuses_images(tmp_path, processors):
     from equivalence import make_reward_model, reward_args
 
     from trl_prefix_sharing import RewardTrainer
-    from trl_prefix_sharing.tiny import make_tokenizer
+    from trl_prefix_sharing.testing import make_tokenizer
 
     tokenizer = make_tokenizer()
     dataset = synthetic_image_pairs(2, DATA["one_image"])

@@ -6,8 +6,9 @@ import importlib
 
 __version__ = "0.1.0"
 
-#: public name -> the module that defines it. Imported on first use, so that `python -m trl_prefix_sharing.demo` and
-#: the command line can set up logging (see `quiet.py`) before TRL, transformers and PEFT are imported.
+#: public name -> the module that defines it. Imported on first use, so that the command line (and the demo script)
+#: can set up logging (see `cli/quiet.py`) before TRL, transformers and PEFT are imported. The offline test builders
+#: are in `trl_prefix_sharing.testing`, which this package does not import.
 _EXPORTS = {
     "DPOConfig": ".config",
     "DPOTrainer": ".dpo_trainer",
@@ -21,6 +22,7 @@ _EXPORTS = {
     "OnlineDPOTrainer": ".online_dpo_trainer",
     "MultipackSampler": ".sampler",
     "PrefixSharingCollator": ".collator",
+    "PrefixSharing": ".sharing",
     "SUPPORTED_MODEL_TYPES": ".attention",
     "build_shared_batch": ".layout",
     "dense_mask": ".mask",

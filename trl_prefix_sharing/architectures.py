@@ -22,20 +22,15 @@ import functools
 import json
 from importlib import resources
 
-from transformers.utils import logging
-
 __all__ = [
     "REFUSED",
     "VARIANTS",
     "registry",
     "supported_model_types",
     "check_supported_model",
-    "model_attn_implementation",
     "window_layout",
     "variant_configs",
 ]
-
-logger = logging.get_logger(__name__)
 
 # ---------------------------------------------------------------------------------------------------- reasons
 RECURRENT = (
@@ -156,30 +151,7 @@ def _measured(entry: dict, variant: str) -> str:
     return f"{variant}: " + "; ".join(f"{kind} {outcome}" for kind, outcome in outcomes.items() if outcome)
 
 
-# ---------------------------------------------------------------------------------------------------- attention
-def model_attn_implementation(model, requested: str) -> str:
-    """The attention implementation this model runs the shared mask with, given the resolved request (``"sdpa"`` or
-    ``"flex_attention"``). A model class that does not support the request (softcapping or attention sinks refuse
-    SDPA, some classes refuse FlexAttention) gets the next one transformers supports for it, FlexAttention -> SDPA ->
-    eager (the mask then as an additive float mask), with a log line saying so."""
-    order = ("flex_attention", "sdpa", "eager")
-    supports = {
-        "flex_attention": getattr(model, "_supports_flex_attn", False),
-        "sdpa": getattr(model, "_supports_sdpa", False),
-        "eager": True,
-    }
-    for implementation in order[order.index(requested):]:
-        if supports[implementation]:
-            if implementation != requested:
-                logger.warning(
-                    f"Prefix sharing: {type(model).__name__} does not support `{requested}` attention (its class "
-                    f"declares so), so the shared mask runs on `{implementation}`"
-                    + (" as an additive float mask." if implementation == "eager" else ".")
-                )
-            return implementation
-    raise AssertionError("eager is always supported")
-
-
+# ---------------------------------------------------------------------------------------------------- windows
 def window_layout(config) -> tuple[int | None, bool]:
     """(window, mixed): the sliding window the model applies (in positions), and whether only some layers use it.
 

@@ -1,4 +1,5 @@
-"""The attention backend: which kernel runs the prefix-sharing mask, and the mask object it receives.
+"""The attention backend: which kernel runs the prefix-sharing mask (decided here, and only here), and the mask object
+it receives.
 
 The mask itself lives in :mod:`trl_prefix_sharing.mask`. Here it is turned into what the model's attention
 implementation takes, through transformers' own attention functions (no custom attention name is registered, so a
@@ -8,29 +9,35 @@ saved config never names one):
   training, since FlexAttention has no backward on CPU.
 - ``"sdpa"``: the same mask evaluated densely as a boolean ``[N, 1, S, S]`` tensor for ``scaled_dot_product_attention``.
 - ``"eager"``: the same dense mask as an additive float tensor (0 where attended, the float32 minimum elsewhere), for
-  model classes that support neither (attention softcapping, sinks; see
-  :func:`~trl_prefix_sharing.architectures.model_attn_implementation`).
+  model classes that support neither (attention softcapping, sinks).
 
-``"auto"`` picks FlexAttention on CUDA and SDPA elsewhere. The switch of a model's attention implementation is
-recorded and undone by :meth:`AttentionSwitch.restore`; it touches only the models given to it.
+:func:`choose_attn_implementation` decides, from the request, the device, the model classes and whether they are
+vision-language models; ``"auto"`` is FlexAttention on CUDA and SDPA elsewhere. The switch of a model's attention
+implementation is recorded and undone by :meth:`AttentionSwitch.restore`; it touches only the models given to it.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers.utils import logging
 
-from .architectures import check_supported_model, supported_model_types, window_layout
+from .architectures import supported_model_types, window_layout
 from .mask import block_mask, dense_mask, dpo_mask
+from .vision import VISION_MODEL_TYPES, is_vision_config
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "ATTN_IMPLEMENTATIONS",
-    "check_supported_model",
     "resolve_attn_implementation",
+    "model_attn_implementation",
+    "vision_attn_implementation",
+    "choose_attn_implementation",
     "AttentionSwitch",
     "build_attention_mask",
     "shared_row_multiple",
 ]
+
+logger = logging.get_logger(__name__)
 
 #: Architectures measured equal to stock TRL under prefix sharing (the registry in :mod:`.architectures`).
 SUPPORTED_MODEL_TYPES = supported_model_types()
@@ -69,6 +76,65 @@ def resolve_attn_implementation(requested: str, device: torch.device) -> str:
                 "mask densely through scaled_dot_product_attention."
             )
     return requested
+
+
+def model_attn_implementation(model, requested: str) -> str:
+    """The attention implementation this model runs the shared mask with, given the resolved request (``"sdpa"`` or
+    ``"flex_attention"``). A model class that does not support the request (softcapping or attention sinks refuse
+    SDPA, some classes refuse FlexAttention) gets the next one transformers supports for it, FlexAttention -> SDPA ->
+    eager (the mask then as an additive float mask)."""
+    order = ("flex_attention", "sdpa", "eager")
+    supports = {
+        "flex_attention": getattr(model, "_supports_flex_attn", False),
+        "sdpa": getattr(model, "_supports_sdpa", False),
+        "eager": True,
+    }
+    return next(name for name in order[order.index(requested) :] if supports[name])
+
+
+def vision_attn_implementation(requested: str, resolved: str) -> str:
+    """The attention for a vision-language model: SDPA with the dense mask. transformers 5.23's Qwen2-VL, Qwen2.5-VL
+    and Qwen3-VL do not accept `flex_attention`, so `"auto"` (FlexAttention on CUDA) becomes SDPA for them, and an
+    explicit `"flex_attention"` is an error."""
+    if resolved != "flex_attention":
+        return resolved
+    if requested == "auto":
+        return "sdpa"
+    raise ValueError(
+        f"The vision-language models prefix sharing supports ({', '.join(VISION_MODEL_TYPES)}) do not accept "
+        "`flex_attention` in transformers; set `prefix_sharing_attn_implementation='sdpa'` (or 'auto'), which applies "
+        "the same mask densely."
+    )
+
+
+def choose_attn_implementation(models, requested: str, device) -> str:
+    """The one attention implementation the shared mask runs on for these models (policy, reference), logged.
+
+    ``requested`` is `prefix_sharing_attn_implementation`; the device decides ``"auto"``; vision-language models take
+    SDPA; otherwise each model class takes the first of the request, SDPA and eager that it supports. One mask per step
+    serves the policy and reference passes, so they must agree.
+    """
+    resolved = resolve_attn_implementation(requested, device)
+    if any(is_vision_config(model.config) for model in models):
+        choices = {vision_attn_implementation(requested, resolved)}
+        reason = "vision-language models take the dense mask" if resolved == "flex_attention" else None
+    else:
+        choices = {model_attn_implementation(model, resolved) for model in models}
+        reason = f"{type(models[0]).__name__} does not support `{resolved}` (its class declares so)"
+    if len(choices) > 1:
+        raise ValueError(
+            f"The policy and reference models need different attention implementations under prefix sharing "
+            f"({sorted(choices)}); use a reference model of the same architecture."
+        )
+    choice = choices.pop()
+    form = {"flex_attention": "a block-sparse BlockMask", "sdpa": "a dense boolean mask",
+            "eager": "a dense additive float mask"}[choice]
+    if choice == resolved:
+        how = f"'{requested}' on {torch.device(device).type}" if requested == "auto" else "as requested"
+        logger.info(f"Prefix sharing: the shared mask runs on `{choice}` ({how}), as {form}.")
+    else:
+        logger.warning(f"Prefix sharing: the shared mask runs on `{choice}` as {form}, not `{resolved}`: {reason}.")
+    return choice
 
 
 def shared_row_multiple(attn_implementation: str, pad_to_multiple_of: int | None) -> int | None:

@@ -8,9 +8,13 @@ from transformers import ProcessorMixin
 from transformers.utils import logging
 
 from .config import DPOConfig
-from .sharing_trainer import PrefixSharingTrainerMixin, check_dataset_columns
+from .preference import PreferenceSharingMixin
+from .trl_internals import check_trl_internals
+from .validation import check_dataset_columns
 
 __all__ = ["DPOTrainer", "DPO_COLUMNS"]
+
+check_trl_internals("dpo", "packing")
 
 logger = logging.get_logger(__name__)
 
@@ -25,7 +29,7 @@ DPO_COLUMNS = (
 )
 
 
-class DPOTrainer(PrefixSharingTrainerMixin, trl.DPOTrainer):
+class DPOTrainer(PreferenceSharingMixin, trl.DPOTrainer):
     """TRL's [`trl.DPOTrainer`], computing each prompt once when `args.prefix_sharing=True`.
 
     Takes exactly the arguments of [`trl.DPOTrainer`]. With prefix sharing, the policy and reference log-probs, the
@@ -39,6 +43,7 @@ class DPOTrainer(PrefixSharingTrainerMixin, trl.DPOTrainer):
     logged metrics are weighted by the pairs (or completion tokens) each step averaged over.
     """
 
+    _config_class = DPOConfig
     _supports_vision = True  # TRL's vision collator: images laid out by `trl_prefix_sharing.vision`
     _token_weighted_metrics = {"entropy": "all", "logits/chosen": "chosen", "logits/rejected": "rejected",
                                "mean_token_accuracy": "chosen"}
@@ -58,11 +63,8 @@ class DPOTrainer(PrefixSharingTrainerMixin, trl.DPOTrainer):
         quantization_config=None,
         peft_config=None,
     ):
-        self._init_prefix_sharing_state()
-        if args is not None and (getattr(args, "prefix_sharing", False) or getattr(args, "packing", False)):
-            if not isinstance(args, DPOConfig):
-                raise TypeError("`prefix_sharing`/`packing` need `trl_prefix_sharing.DPOConfig` as `args`.")
-            self._check_model_and_processor(model, args, processing_class, peft_config)
+        self._init_prefix_sharing(model, args, processing_class, peft_config)
+        if self._uses_layout:
             images = processing_class is None or isinstance(processing_class, ProcessorMixin)  # TRL's vision path
             check_dataset_columns(train_dataset, "train", *DPO_COLUMNS, allow_images=images)
             check_dataset_columns(eval_dataset, "eval", *DPO_COLUMNS, allow_images=images)
@@ -102,5 +104,6 @@ class DPOTrainer(PrefixSharingTrainerMixin, trl.DPOTrainer):
             self.data_collator = packed_collator
 
     def compute_ref_log_probs(self, model, inputs):
-        self._attach_attention_mask(inputs)
+        if self.sharing is not None:
+            self.sharing.prepare(inputs)
         return super().compute_ref_log_probs(model, inputs)

@@ -28,7 +28,14 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["build_shared_batch", "common_prefix_length", "shared_labels", "gather_to_stock", "groups_by_prefix"]
+__all__ = [
+    "build_shared_batch",
+    "common_prefix_length",
+    "shared_labels",
+    "gather_to_stock",
+    "groups_by_prefix",
+    "shared_group_layout",
+]
 
 
 def common_prefix_length(rows: Sequence[Sequence]) -> int:
@@ -195,6 +202,20 @@ def groups_by_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, pref
     for row, key in enumerate(keys):
         groups.setdefault(tuple(key), []).append(row)
     return list(groups.values())
+
+
+def shared_group_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, pad_token_id: int,
+                        pad_to_multiple_of: int | None = None, score_padding: bool = False) -> dict[str, torch.Tensor]:
+    """The shared layout of generated rows ``[prompt (prompt_length columns) | completion]`` (GRPO, RLOO, online DPO):
+    one document per group of rows with equal prompt columns, on the rows' device (``score_padding``: see
+    `build_shared_batch`)."""
+    groups = groups_by_prefix(input_ids, attention_mask, prompt_length)
+    completion_mask = attention_mask.clone()
+    completion_mask[:, :prompt_length] = 0  # a shared prefix never mixes prompt and completion tokens
+    layout = build_shared_batch(input_ids, attention_mask, groups, completion_mask=completion_mask,
+                                pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of,
+                                score_padding=score_padding)
+    return {name: tensor.to(input_ids.device) for name, tensor in layout.items()}
 
 
 def shared_labels(layout: dict[str, torch.Tensor], stock_labels: torch.Tensor) -> torch.Tensor:

@@ -18,15 +18,13 @@ import torch
 from trl.experimental.online_dpo import OnlineDPOConfig as _TRLOnlineDPOConfig
 from trl.experimental.online_dpo import OnlineDPOTrainer as _TRLOnlineDPOTrainer
 
-from .attention import build_attention_mask, shared_row_multiple
 from .config import _SHARING_DOC, PrefixSharingArguments
-from .forward import unwrap_model
-from .group_sharing import shared_group_layout
-from .trainer_setup import SharingSetupMixin
+from .sharing import PrefixSharingMixin
+from .trl_internals import check_trl_internals
 
 __all__ = ["OnlineDPOConfig", "OnlineDPOTrainer"]
 
-_UNFUSED = "_prefix_sharing_unfused_forward"
+check_trl_internals("online_dpo")
 
 
 @dataclass
@@ -42,48 +40,20 @@ class OnlineDPOConfig(_TRLOnlineDPOConfig, PrefixSharingArguments):
         self._check_prefix_sharing_arguments()
 
 
-class OnlineDPOTrainer(SharingSetupMixin, _TRLOnlineDPOTrainer):
+class OnlineDPOTrainer(PrefixSharingMixin, _TRLOnlineDPOTrainer):
     """TRL's experimental `OnlineDPOTrainer`, computing each prompt once per pair of completions when
     `args.prefix_sharing=True`. Takes exactly its arguments; the policy and reference log-probs, the loss, gradients
     and every logged statistic equal stock TRL's to float precision. Text prompts (plain or conversational)."""
 
-    def __init__(self, *args, **kwargs):
-        self._init_sharing_setup()
-        super().__init__(*args, **kwargs)
-        if self.prefix_sharing:
-            if not isinstance(self.args, OnlineDPOConfig):
-                raise TypeError("`prefix_sharing` needs `trl_prefix_sharing.OnlineDPOConfig` as `args`.")
-            self._check_model_and_processor(self.model, self.args, self.processing_class, None)
-            self._pad_token_id = self._tokenizer.pad_token_id
-            self._patch_models()
-            self._row_multiple = shared_row_multiple(self._attn_implementation,
-                                                     getattr(self.args, "pad_to_multiple_of", None))
+    _config_class = OnlineDPOConfig
+    _fuse_lm_head = True  # stock scores full logits; the shared rows go through TRL's fused log-prob head
 
-    # ----------------------------------------------------------------------------------------------- set-up
-    def _patch_models(self) -> None:
-        """TRL's fused log-prob head on the policy and reference (kept off the prompt), then the shared forward."""
-        from trl.trainer.utils import add_fused_lm_head
-
-        for model in self._layout_models():
-            if _UNFUSED not in model.__dict__:
-                model.__dict__[_UNFUSED] = model.__dict__.get("forward")  # None: the class's own forward
-                add_fused_lm_head(model)
-        super()._patch_models()
-
-    def _unpatch_models(self) -> None:
-        super()._unpatch_models()
-        for model in self._layout_models():
-            if _UNFUSED in model.__dict__:
-                unfused = model.__dict__.pop(_UNFUSED)
-                if unfused is None:
-                    del model.__dict__["forward"]
-                else:
-                    model.forward = unfused
-
-    def remove_prefix_sharing(self) -> None:
-        """Undo the model patches; the trainer then trains as stock TRL."""
-        self._unpatch_models()
-        self.args.prefix_sharing = False
+    def __init__(self, model, ref_model=None, reward_funcs=None, args=None, *more, **kwargs):
+        """Exactly the arguments of TRL's experimental `OnlineDPOTrainer`."""
+        processing_class = kwargs.get("processing_class", more[3] if len(more) > 3 else None)
+        self._init_prefix_sharing(model, args, processing_class, kwargs.get("peft_config"))
+        super().__init__(model, ref_model, reward_funcs, args, *more, **kwargs)
+        self._setup_prefix_sharing()
 
     # ----------------------------------------------------------------------------------------------- forward
     def _forward(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs=None):
@@ -101,10 +71,7 @@ class OnlineDPOTrainer(SharingSetupMixin, _TRLOnlineDPOTrainer):
                              f"{completion_ids.size(1)} tokens; raise `max_length` above `max_new_tokens`.")
         input_ids = torch.cat((prompt_ids, completion_ids), dim=1)
         attention_mask = torch.cat((prompt_mask, completion_mask), dim=1)
-        layout = shared_group_layout(input_ids, attention_mask, prompt_length, self._pad_token_id,
-                                     self._row_multiple, score_padding=True)
-        layout["attention_mask"] = build_attention_mask(layout, self._attn_implementation,
-                                                        unwrap_model(self.model).config)
+        layout = self.sharing.generated_layout(input_ids, attention_mask, prompt_length, score_padding=True)
         labels = input_ids.clone()
         labels[:, :prompt_length] = -100  # every completion column, padding included, as stock scores them
         outputs = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True,

@@ -7,10 +7,14 @@ import trl
 from trl.data_utils import get_dataset_column_names
 
 from .config import RewardConfig
+from .preference import PreferenceSharingMixin
 from .ranked import RankedCollator, is_ranked_dataset, ranked_loss, ranked_pairs, tokenize_ranked
-from .sharing_trainer import PrefixSharingTrainerMixin, check_dataset_columns
+from .trl_internals import check_trl_internals
+from .validation import check_dataset_columns
 
 __all__ = ["RewardTrainer", "REWARD_COLUMNS"]
+
+check_trl_internals("reward", "packing")
 
 #: (accepted column sets, what a dataset needs): checked before TRL's preprocessing
 REWARD_COLUMNS = (
@@ -22,7 +26,7 @@ REWARD_COLUMNS = (
 )
 
 
-class RewardTrainer(PrefixSharingTrainerMixin, trl.RewardTrainer):
+class RewardTrainer(PreferenceSharingMixin, trl.RewardTrainer):
     """TRL's [`trl.RewardTrainer`], computing each prompt once when `args.prefix_sharing=True`.
 
     Takes exactly the arguments of [`trl.RewardTrainer`]. The shared prefix of a pair is the longest common token prefix
@@ -34,6 +38,8 @@ class RewardTrainer(PrefixSharingTrainerMixin, trl.RewardTrainer):
     `trl_prefix_sharing.ranked`) trains on all K(K-1)/2 pairs per prompt from one forward over the K completions,
     giving the loss stock TRL gives on the expanded pairs.
     """
+
+    _config_class = RewardConfig
 
     def __init__(
         self,
@@ -51,7 +57,7 @@ class RewardTrainer(PrefixSharingTrainerMixin, trl.RewardTrainer):
         quantization_config=None,
         peft_config=None,
     ):
-        self._init_prefix_sharing_state()
+        self._init_prefix_sharing(model, args, processing_class, peft_config)
         self._ranked = train_dataset is not None and is_ranked_dataset(get_dataset_column_names(train_dataset))
         evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]
         for name, dataset in evals:
@@ -63,12 +69,7 @@ class RewardTrainer(PrefixSharingTrainerMixin, trl.RewardTrainer):
                     "one collator serves both, so give them the same format (e.g. expand ranked data to pairs with "
                     "`trl_prefix_sharing.ranked.expand_ranked_to_pairs`)."
                 )
-        enabled = args is not None and (getattr(args, "prefix_sharing", False) or getattr(args, "packing", False))
-        if enabled:
-            if not isinstance(args, RewardConfig):
-                raise TypeError("`prefix_sharing`/`packing` need `trl_prefix_sharing.RewardConfig` as `args`.")
-            self._check_model_and_processor(model, args, processing_class, peft_config)
-        if enabled or self._ranked:
+        if self._uses_layout or self._ranked:
             check_dataset_columns(train_dataset, "train", *REWARD_COLUMNS)
             check_dataset_columns(eval_dataset, "eval", *REWARD_COLUMNS)
         if self._ranked and data_collator is None and processing_class is not None:

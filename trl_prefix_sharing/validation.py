@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import math
 
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 
-__all__ = ["validate_preference_rows"]
+from .vision import VISION_MODEL_TYPES
+
+__all__ = ["check_dataset_columns", "validate_preference_rows"]
 
 _TEXT_FIELDS = ("prompt", "chosen", "rejected")
 #: columns of pre-tokenized data (TRL's reward trainer renames its older `*_input_ids` names itself)
@@ -83,3 +85,29 @@ def validate_preference_rows(dataset, name: str) -> None:
             margin = row["margin"]
             if margin is None or not isinstance(margin, (int, float)) or math.isnan(margin) or math.isinf(margin):
                 raise ValueError(f"{name} row {index}: 'margin' is {margin!r}; it must be a finite number.")
+
+
+def check_dataset_columns(dataset, name: str, accepted: tuple[set[str], ...], describe: str,
+                          allow_images: bool = False) -> None:
+    """Clear errors for vision datasets (unless `allow_images`) and missing columns, before TRL's preprocessing."""
+    if dataset is None:
+        return
+    if isinstance(dataset, dict):
+        for key, value in dataset.items():
+            check_dataset_columns(value, f"{name}[{key!r}]", accepted, describe, allow_images)
+        return
+    if isinstance(dataset, Dataset):
+        columns = set(dataset.column_names)
+    elif isinstance(dataset, IterableDataset):
+        columns = set(next(iter(dataset)).keys())
+    else:
+        return  # TRL raises its own error for other types
+    if ("image" in columns or "images" in columns) and not allow_images:
+        raise ValueError(
+            f"The {name} dataset has an image column: prefix sharing lays out images for DPO with a vision-language "
+            f"model ({', '.join(VISION_MODEL_TYPES)}) and its processor as `processing_class`; TRL 1.16's "
+            "RewardTrainer has no image support. Otherwise train it with `prefix_sharing=False`."
+        )
+    if not any(required <= columns for required in accepted):
+        raise ValueError(f"The {name} dataset has columns {sorted(columns)}; {describe}")
+    validate_preference_rows(dataset, name)

@@ -27,15 +27,15 @@ clear error.
 from __future__ import annotations
 
 import torch
-from transformers.utils import logging
 
-logger = logging.get_logger(__name__)
+from .architectures import window_layout
 
 __all__ = [
     "VISION_MODEL_TYPES",
     "is_vision_config",
     "check_supported_vision_model",
-    "vision_attn_implementation",
+    "VISION_INPUT_KEYS",
+    "vision_inputs_in",
     "has_vision_inputs",
     "shared_vision_inputs",
     "substitute",
@@ -49,8 +49,11 @@ _VISION_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
 #: Inputs of vision-language models that are not laid out yet.
 _UNSUPPORTED_KEYS = (
     "pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "token_type_ids", "image_sizes",
-    "pixel_attention_mask", "image_position_ids", "mm_encoder_outputs", "rope_deltas",
+    "pixel_attention_mask", "image_position_ids", "mm_encoder_outputs", "rope_deltas", "num_images", "spatial_shapes",
+    "num_tiles",
 )
+#: Every model input that carries images or videos (what a text-only layout refuses).
+VISION_INPUT_KEYS = (*_VISION_KEYS, *_UNSUPPORTED_KEYS)
 
 
 def is_vision_config(config) -> bool:
@@ -67,36 +70,21 @@ def check_supported_vision_model(config) -> None:
             f"'{model_type}'. Its image features, image positions and attention are not proven to honour the shared "
             "layout, so its log-probs could differ from stock TRL. Train it with `prefix_sharing=False`."
         )
-    text_config = config.get_text_config()
-    if getattr(text_config, "use_sliding_window", False) or "sliding_attention" in (
-        getattr(text_config, "layer_types", None) or ()
-    ):
+    if window_layout(config)[0] is not None:
         raise ValueError(
             f"Prefix sharing does not support sliding-window attention in vision-language models ('{model_type}' "
             "with `use_sliding_window=True`): not proven exact. Train it with `prefix_sharing=False`."
         )
 
 
-def vision_attn_implementation(requested: str, resolved: str) -> str:
-    """The attention for a vision-language model: SDPA with the dense mask. transformers 5.23's Qwen2-VL, Qwen2.5-VL
-    and Qwen3-VL do not accept `flex_attention`, so `"auto"` (FlexAttention on CUDA) becomes SDPA for them, and an
-    explicit `"flex_attention"` is an error."""
-    if resolved != "flex_attention":
-        return resolved
-    if requested == "auto":
-        logger.info("Vision-language models do not support FlexAttention in transformers: prefix sharing applies its "
-                    "mask densely through SDPA.")
-        return "sdpa"
-    raise ValueError(
-        f"The vision-language models prefix sharing supports ({', '.join(VISION_MODEL_TYPES)}) do not accept "
-        "`flex_attention` in transformers; set `prefix_sharing_attn_implementation='sdpa'` (or 'auto'), which applies "
-        "the same mask densely."
-    )
+def vision_inputs_in(inputs) -> list[str]:
+    """The keys of a stock batch (or a forward's keyword arguments) that carry images or videos."""
+    return [key for key in VISION_INPUT_KEYS if inputs.get(key) is not None]
 
 
 def has_vision_inputs(inputs) -> bool:
     """Whether a stock batch carries a vision-language collator's inputs."""
-    return any(inputs.get(key) is not None for key in (*_VISION_KEYS, *_UNSUPPORTED_KEYS))
+    return bool(vision_inputs_in(inputs))
 
 
 def _check_keys(inputs) -> None:
@@ -214,7 +202,7 @@ def substitute(kwargs: dict, layout: dict) -> torch.Tensor:
     position ids (M-RoPE rows for a vision batch, the layout's own otherwise)."""
     vision = layout.get("vision")
     if vision is None:
-        present = [key for key in (*_VISION_KEYS, *_UNSUPPORTED_KEYS) if kwargs.get(key) is not None]
+        present = vision_inputs_in(kwargs)
         if present:
             raise ValueError(
                 f"Prefix sharing got vision inputs {present} without their shared layout: call the model through the "

@@ -5,7 +5,6 @@ package's trainers.
     trl-prefix-sharing reward --config recipe.yaml
     trl-prefix-sharing grpo --model_name_or_path ... --dataset_name ... --reward_funcs ... --prefix_sharing true
     trl-prefix-sharing stats --dataset_name ... --model_name_or_path ...
-    trl-prefix-sharing demo
     python -m trl_prefix_sharing dpo ...
 
 `dpo`, `reward`, `grpo`, `rloo` and `online_dpo` take TRL's arguments (the same `TrlParser` over the script
@@ -20,7 +19,7 @@ import sys
 
 __all__ = ["main"]
 
-USAGE = """usage: trl-prefix-sharing {dpo,reward,grpo,rloo,online_dpo,stats,demo} [args]
+USAGE = """usage: trl-prefix-sharing {dpo,reward,grpo,rloo,online_dpo,stats} [args]
 
   dpo      DPO training (TRL's `trl dpo` arguments + prefix_sharing, packing, ...), launched with accelerate
   reward   reward-model training (TRL's `trl reward` arguments + the same), launched with accelerate
@@ -28,7 +27,6 @@ USAGE = """usage: trl-prefix-sharing {dpo,reward,grpo,rloo,online_dpo,stats,demo
   rloo     RLOO training (TRL's `trl rloo` arguments + prefix_sharing)
   online_dpo  online DPO (TRL's experimental OnlineDPOConfig, rewards named as for grpo, + prefix_sharing)
   stats    does prefix sharing pay on this dataset? (loads the tokenizer only)
-  demo     stock TRL vs prefix sharing on the shipped demo dataset (CPU, offline)
 
 Run `trl-prefix-sharing COMMAND --help` for a command's arguments."""
 
@@ -62,11 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command in ("dpo", "reward", "grpo", "rloo", "online_dpo"):
         return launch(command, rest)
-    if command in ("stats", "demo"):  # neither quantizes nor runs DeepSpeed: no start-up lines from those
-        from ..quiet import quiet_unused_backends
-
-        quiet_unused_backends()
     if command == "stats":
+        from .quiet import quiet_unused_backends
+
+        quiet_unused_backends()  # it neither quantizes nor runs DeepSpeed: no start-up lines from those
         from .stats import main as stats_main
 
         try:
@@ -74,10 +71,5 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, FileNotFoundError) as error:  # bad dataset or path: the message, not a traceback
             print(f"trl-prefix-sharing stats: error: {error}", file=sys.stderr)
             return 2
-    if command == "demo":
-        from ..demo import main as demo_main
-
-        demo_main(rest)
-        return 0
     print(f"trl-prefix-sharing: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2

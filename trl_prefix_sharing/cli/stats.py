@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..dpo_trainer import DPO_COLUMNS
     from ..reward_trainer import REWARD_COLUMNS
     from ..sampler import MultipackSampler
-    from ..sharing_trainer import check_dataset_columns
+    from ..validation import check_dataset_columns
     from .train import load_script_dataset
 
     class _Script:

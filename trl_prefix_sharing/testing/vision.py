@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import random
 
-from .tiny import WORDS, make_tokenizer
+from . import WORDS, make_tokenizer
 
 __all__ = ["VISION_FAMILIES", "make_vision_processor", "make_vision_model", "synthetic_image_pairs", "random_image"]
 

@@ -1,6 +1,6 @@
 """Train stock TRL and prefix-shared DPO side by side on the shipped demo dataset, offline, on CPU.
 
-    python -m trl_prefix_sharing.demo [--steps 12] [--family llama]
+    python scripts/demo.py [--steps 12] [--family llama]     (or: bash scripts/demo.sh, which sets up .venv first)
 
 Prints both runs' losses step by step, the token positions each computed, and their speed. The two runs take turns,
 one optimizer step each in alternating order (stock, shared, shared, stock, ...), each step timed while the other run
@@ -99,7 +99,7 @@ def main(argv=None):
 
     os.environ.setdefault("TQDM_DISABLE", "1")
     warnings.filterwarnings("ignore")
-    from .quiet import quiet_unused_backends
+    from trl_prefix_sharing.cli.quiet import quiet_unused_backends
 
     quiet_unused_backends()  # before TRL is imported: no bitsandbytes or DeepSpeed here
     import datasets
@@ -109,8 +109,8 @@ def main(argv=None):
     from transformers.utils import logging as hf_logging
 
     from trl_prefix_sharing import DPOConfig, DPOTrainer
-    from trl_prefix_sharing.sharing_trainer import logger as sharing_logger
-    from trl_prefix_sharing.tiny import load_demo_dataset, make_model, make_tokenizer
+    from trl_prefix_sharing.preference import logger as sharing_logger
+    from trl_prefix_sharing.testing import load_demo_dataset, make_model, make_tokenizer
 
     datasets.disable_progress_bars()
     hf_logging.set_verbosity_error()

@@ -1,35 +1,43 @@
-"""What the prefix-sharing DPO and reward trainers have in common, as a mixin placed before TRL's trainer class.
+"""Packing for the preference trainers (DPO, reward): several examples per row, no padding, every pair the same weight.
 
-It wraps the data collator (adds the shared layout) and the models' forwards (run the shared rows, return outputs in
-the stock layout), switches attention, builds the mask once per step, and with packing: the multipack sampler, the
-pair-normalised loss, metric weighting and gathers that accept per-rank sizes. TRL's own loss code runs unchanged.
+Packing changes what a batch is, and this module is everything that follows from it, with or without prefix sharing:
+
+- **Batches**: a multipack first-fit-decreasing sampler (:class:`~trl_prefix_sharing.sampler.MultipackSampler`) fills
+  rows of `packing_length` tokens with whole examples, so a micro-batch holds a variable number of pairs. Each example
+  is one document of its row (the layout of :mod:`trl_prefix_sharing.layout`; with prefix sharing off, each of its
+  sequences is a document of its own). A streamed dataset has no lengths to read ahead: its batches keep
+  `per_device_train_batch_size` examples and are packed as they arrive.
+- **Loss**: TRL averages over the pairs of a micro-batch. Under packing that would weigh pairs unequally, so the loss
+  is rescaled to a sum over the pairs of the whole optimizer step (every micro-batch, every rank) divided by their
+  number: each pair weighs the same across packing, gradient accumulation and ranks.
+- **Metrics**: a logged metric is TRL's per-micro-batch mean; under packing they are combined weighted by the pairs
+  (or completion tokens) each micro-batch averaged over. Gathers accept per-rank sizes (`distributed.py`).
+- **Evaluation**: `eval_loss` is the per-pair mean over the dataset (each packed batch's mean repeated once per pair).
+
+:class:`PackingMixin` sits between the prefix-sharing mixin and TRL's trainer class; it reads the layout the collator
+builds but nothing of the sharing itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
-from datasets import Dataset, IterableDataset
+from datasets import Dataset
 from transformers.trainer_pt_utils import BatchRebalanceSampler
 from transformers.utils import logging
 
-from .attention import build_attention_mask, shared_row_multiple
-from .collator import PrefixSharingCollator, unit_lengths
+from .collator import unit_lengths
 from .distributed import gather_variable, variable_size_gathers
-from .forward import unwrap_model
 from .sampler import MultipackSampler
-from .stats import sharing_stats
-from .trainer_setup import SharingSetupMixin
-from .validation import validate_preference_rows
-from .vision import VISION_MODEL_TYPES, has_vision_inputs, shared_vision_inputs
+
+__all__ = ["PackingMixin", "TrainerMultipackSampler"]
 
 logger = logging.get_logger(__name__)
 
+#: metrics that are running totals (the last value is the total), never averaged
 _RUNNING_TOTALS = {"num_tokens", "num_shared_tokens"}
 
 
-class _TrainerMultipackSampler(MultipackSampler, BatchRebalanceSampler):
+class TrainerMultipackSampler(MultipackSampler, BatchRebalanceSampler):
     """A `MultipackSampler` the Trainer passes as `batch_sampler` and does not re-shard (it is already rank-aware):
     transformers' `_get_dataloader` does exactly this for `BatchRebalanceSampler` instances."""
 
@@ -37,96 +45,38 @@ class _TrainerMultipackSampler(MultipackSampler, BatchRebalanceSampler):
         MultipackSampler.__init__(self, *args, **kwargs)
 
 
-def check_dataset_columns(dataset, name: str, accepted: tuple[set[str], ...], describe: str,
-                          allow_images: bool = False) -> None:
-    """Clear errors for vision datasets (unless `allow_images`) and missing columns, before TRL's preprocessing."""
-    if dataset is None:
-        return
-    if isinstance(dataset, dict):
-        for key, value in dataset.items():
-            check_dataset_columns(value, f"{name}[{key!r}]", accepted, describe, allow_images)
-        return
-    if isinstance(dataset, Dataset):
-        columns = set(dataset.column_names)
-    elif isinstance(dataset, IterableDataset):
-        columns = set(next(iter(dataset)).keys())
-    else:
-        return  # TRL raises its own error for other types
-    if ("image" in columns or "images" in columns) and not allow_images:
-        raise ValueError(
-            f"The {name} dataset has an image column: prefix sharing lays out images for DPO with a vision-language "
-            f"model ({', '.join(VISION_MODEL_TYPES)}) and its processor as `processing_class`; TRL 1.16's "
-            "RewardTrainer has no image support. Otherwise train it with `prefix_sharing=False`."
-        )
-    if not any(required <= columns for required in accepted):
-        raise ValueError(f"The {name} dataset has columns {sorted(columns)}; {describe}")
-    validate_preference_rows(dataset, name)
-
-
-class PrefixSharingTrainerMixin(SharingSetupMixin):
-    """Shared machinery; see the module docstring. Subclasses call `_init_prefix_sharing_state()` before TRL's
-    `__init__` and `_setup_prefix_sharing()` after it."""
+class PackingMixin:
+    """Packing; see the module docstring. Needs `self.data_collator` to be a `PrefixSharingCollator` once set up
+    (`_setup_packing()`, called when the collator is wrapped)."""
 
     #: metric -> which completion tokens it averages over ("all", "chosen", "rejected"); others are per-pair means
     _token_weighted_metrics: dict[str, str] = {}
+    #: stock rows per example (a preference pair); a stream's packing unit is at most this many rows of `max_length`
+    _rows_per_example = 2
 
-    def _init_prefix_sharing_state(self) -> None:
-        self._init_sharing_setup()
-        self._prefix_sharing_ready = False
-        self._sharing_logged = False
-        self._total_shared_tokens = 0
+    def _init_packing(self, args) -> None:
+        self._packing = bool(getattr(args, "packing", False))
         self._pairs_in_window = None
         self._unit_lengths_cache = {}
         self._metric_weights = {"train": {}, "eval": {}}
-        self.sharing_stats = None
-
-    # ----------------------------------------------------------------------------------------------- options
-    @property
-    def packing(self) -> bool:
-        return bool(getattr(self.args, "packing", False))
-
-    @property
-    def _uses_layout(self) -> bool:
-        """Prefix sharing and packing both run the model on rows built by `PrefixSharingCollator`."""
-        return self.prefix_sharing or self.packing
+        self._packing_logged = False
 
     # ----------------------------------------------------------------------------------------------- set-up
-    def _setup_prefix_sharing(self) -> None:
-        """Wrap the collator and the models' forwards, switch attention. Idempotent."""
-        if self._prefix_sharing_ready or not self._uses_layout:
+    def _setup_packing(self) -> None:
+        """Size the packed rows of the (already wrapped) collator."""
+        if not self.packing:
             return
-        self._patch_models()
-        if not isinstance(self.data_collator, PrefixSharingCollator):
-            self.data_collator = PrefixSharingCollator(
-                self.data_collator,
-                pad_token_id=self.processing_class.pad_token_id if hasattr(self.processing_class, "pad_token_id")
-                else self.processing_class.tokenizer.pad_token_id,
-                pad_to_multiple_of=shared_row_multiple(self._attn_implementation, self.args.pad_to_multiple_of),
-                share_prefix=self.prefix_sharing,
-            )
-        if self.packing:
-            self.data_collator.packing_length = self._resolve_packing_length()
-            if self._attn_implementation != "flex_attention":
-                # dense attention costs the square of the row length whatever the mask: several rows per batch, as
-                # long as its longest document (never more attention than stock's padded rows), not one long row
-                self.data_collator.packing_row_length = "batch"
-            elif self._streams():
-                # a stream has no sampler to make a batch fit one row: the collator packs what arrives into as many
-                # rows of `packing_length` as it needs (first-fit decreasing); a map-style batch still takes one
-                self.data_collator.packing_row_length = self.data_collator.packing_length
-        self._prefix_sharing_ready = True
+        collator = self.data_collator
+        collator.packing_length = self._resolve_packing_length()
+        if self.sharing.attn_implementation != "flex_attention":
+            # dense attention costs the square of the row length whatever the mask: several rows per batch, as
+            # long as its longest document (never more attention than stock's padded rows), not one long row
+            collator.packing_row_length = "batch"
+        elif self._streams():
+            # a stream has no sampler to make a batch fit one row: the collator packs what arrives into as many
+            # rows of `packing_length` as it needs (first-fit decreasing); a map-style batch still takes one
+            collator.packing_row_length = collator.packing_length
 
-    def remove_prefix_sharing(self) -> None:
-        """Undo the patches on the models (forward wrap and attention switch) and the collator wrap; the trainer then
-        trains as stock TRL."""
-        self._unpatch_models()
-        if isinstance(self.data_collator, PrefixSharingCollator):
-            self.data_collator = self.data_collator.base_collator
-        self._prefix_sharing_ready = False
-        self.args.prefix_sharing = False
-        self.args.packing = False
-
-    # ----------------------------------------------------------------------------------------------- packing
     def _unit_lengths(self, dataset) -> list[int]:
         key = getattr(dataset, "_fingerprint", None) or id(dataset)
         if key not in self._unit_lengths_cache:
@@ -164,18 +114,16 @@ class PrefixSharingTrainerMixin(SharingSetupMixin):
             longest = max(longest, self._rows_per_example * self.args.max_length)
         return longest
 
-    #: stock rows per example (a preference pair); a stream's packing unit is at most this many rows of `max_length`
-    _rows_per_example = 2
-
     def _resolve_packing_length(self) -> int:
         """`packing_length`, or `per_device_train_batch_size` x the longest unit (train and eval), rounded to 128."""
         if self.args.packing_length is not None:
             return self.args.packing_length
         return -(-self.args.per_device_train_batch_size * self._longest_unit() // 128) * 128
 
-    def _multipack_sampler(self, dataset, shuffle: bool):
+    # ----------------------------------------------------------------------------------------------- batches
+    def _multipack_sampler(self, dataset, shuffle: bool) -> TrainerMultipackSampler:
         self._setup_prefix_sharing()
-        return _TrainerMultipackSampler(
+        return TrainerMultipackSampler(
             self._unit_lengths(dataset),
             self.data_collator.packing_length,
             num_replicas=self.args.world_size,
@@ -196,6 +144,11 @@ class PrefixSharingTrainerMixin(SharingSetupMixin):
             return self._multipack_sampler(eval_dataset, shuffle=False)
         return super()._get_eval_sampler(eval_dataset)
 
+    def _pairs_in(self, batch) -> int:
+        """Examples TRL's loss averages over in this batch."""
+        return batch["input_ids"].shape[0] // 2
+
+    # ----------------------------------------------------------------------------------------------- loss
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
         if self.packing:
@@ -204,33 +157,10 @@ class PrefixSharingTrainerMixin(SharingSetupMixin):
             self._pairs_in_window = int(self.accelerator.gather(pairs).sum().item())
         return batch_samples, num_items_in_batch
 
-    def _pairs_in(self, batch) -> int:
-        """Examples TRL's loss averages over in this batch."""
-        return batch["input_ids"].shape[0] // 2
-
-    # ----------------------------------------------------------------------------------------------- per step
-    def _attach_attention_mask(self, inputs) -> None:
-        layout = inputs.get("prefix_sharing") if isinstance(inputs, Mapping) else None
-        if layout is None:
-            if self._uses_layout:
-                raise RuntimeError("Prefix sharing is on but the batch has no layout: was the data collator replaced?")
-            return
-        if "attention_mask" not in layout:
-            layout["attention_mask"] = build_attention_mask(
-                layout, self._attn_implementation, unwrap_model(self.model).config
-            )
-        if "vision" not in layout and has_vision_inputs(inputs):  # images once per pair, M-RoPE positions
-            layout["vision"] = shared_vision_inputs(unwrap_model(self.model), inputs, layout)
-
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        self._attach_attention_mask(inputs)
-        mode = "train" if self.model.training else "eval"
-        if self._uses_layout and mode == "train":
-            shared = (inputs["prefix_sharing"]["document_ids"] >= 0).sum()
-            self._total_shared_tokens += int(self.accelerator.gather_for_metrics(shared).sum().item())
-            self._metrics["train"]["num_shared_tokens"] = [self._total_shared_tokens]
         if not self.packing:
             return self._base_compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        mode = "train" if self.model.training else "eval"
         before = {key: len(values) for key, values in self._metrics[mode].items()}
         pairs = self._pairs_in(inputs)
         with variable_size_gathers(self.accelerator):  # ranks hold different numbers of pairs
@@ -248,6 +178,7 @@ class PrefixSharingTrainerMixin(SharingSetupMixin):
         """The loss the subclass's TRL trainer computes (overridable, e.g. for ranked reward batches)."""
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
+    # ----------------------------------------------------------------------------------------------- metrics
     def _record_metric_weights(self, mode, inputs, pairs, before) -> None:
         mask = inputs.get("completion_mask")
         device = inputs["input_ids"].device
@@ -266,6 +197,19 @@ class PrefixSharingTrainerMixin(SharingSetupMixin):
                 continue
             weights.setdefault(key, []).append(weight_of.get(self._token_weighted_metrics.get(key), pairs))
 
+    def log(self, logs, start_time=None):
+        mode = "train" if self.model.training else "eval"
+        if self.packing:
+            for key, weights in self._metric_weights[mode].items():
+                values = self._metrics[mode].get(key, [])
+                if values and len(values) == len(weights):
+                    total = sum(weights)
+                    mean = sum(v * w for v, w in zip(values, weights)) / total if total else 0.0
+                    self._metrics[mode][key] = [mean]
+            self._metric_weights[mode] = {}
+        return super().log(logs, start_time)
+
+    # ----------------------------------------------------------------------------------------------- evaluation
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         if self.packing and loss is not None:
@@ -288,33 +232,16 @@ class PrefixSharingTrainerMixin(SharingSetupMixin):
         finally:
             self.gather_function = gather_function
 
-    def log(self, logs, start_time=None):
-        mode = "train" if self.model.training else "eval"
-        if self.packing:
-            for key, weights in self._metric_weights[mode].items():
-                values = self._metrics[mode].get(key, [])
-                if values and len(values) == len(weights):
-                    total = sum(weights)
-                    mean = sum(v * w for v, w in zip(values, weights)) / total if total else 0.0
-                    self._metrics[mode][key] = [mean]
-            self._metric_weights[mode] = {}
-        return super().log(logs, start_time)
-
+    # ----------------------------------------------------------------------------------------------- training
     def train(self, *args, **kwargs):
-        if self._uses_layout and not self._sharing_logged and isinstance(self.train_dataset, Dataset):
-            stats = sharing_stats(self.train_dataset, self.data_collator.unpacked()) if self.prefix_sharing else None
-            message = stats.summary() if stats is not None else ""
-            if self.packing:
+        if self.packing and not self._packing_logged and self.args.should_log:
+            if isinstance(self.train_dataset, Dataset):
                 sampler = self._multipack_sampler(self.train_dataset, shuffle=True)
-                message += (f" Packing: rows of {self.data_collator.packing_length} tokens, {len(sampler)} per epoch "
-                            f"on this rank, {100 * sampler.efficiency():.1f}% of their tokens used.")
-            if self.args.should_log:
-                logger.warning(message.strip())
-            self.sharing_stats = stats
-            self._sharing_logged = True
-        elif self.packing and not self._sharing_logged and self.args.should_log:
-            logger.warning(f"Packing a streamed dataset: each batch of {self.args.per_device_train_batch_size} examples "
-                           "as it arrives (no lengths to read ahead, so no multipack sampler), in rows of at most "
-                           f"{self.data_collator.packing_length} tokens.")
-            self._sharing_logged = True
+                logger.warning(f"Packing: rows of {self.data_collator.packing_length} tokens, {len(sampler)} per epoch "
+                               f"on this rank, {100 * sampler.efficiency():.1f}% of their tokens used.")
+            else:
+                logger.warning(f"Packing a streamed dataset: each batch of {self.args.per_device_train_batch_size} "
+                               "examples as it arrives (no lengths to read ahead, so no multipack sampler), in rows of "
+                               f"at most {self.data_collator.packing_length} tokens.")
+        self._packing_logged = True
         return super().train(*args, **kwargs)

@@ -1,5 +1,16 @@
-"""Tiny offline building blocks: a word-level tokenizer with a chat template, small random models of the supported
-families, and synthetic preference data. Used by the demo, the tests and the CPU benchmark; nothing is downloaded."""
+"""Offline test builders (in the spirit of `torch.testing`): a word-level tokenizer with a chat template, small random
+models of the supported families, and synthetic preference data; nothing is downloaded. Used by this package's tests,
+benchmarks and demo, and usable in yours::
+
+    from trl_prefix_sharing.testing import make_model, make_tokenizer, synthetic_pairs
+
+    tokenizer = make_tokenizer()
+    model = make_model("qwen2", len(tokenizer))
+    dataset = synthetic_pairs(64, prompt_len=(20, 40), completion_len=(4, 8))
+
+`trl_prefix_sharing.testing.vision` has the vision-language counterparts (a Qwen-style processor and tiny Qwen-VL
+models; needs Pillow). Not imported by `import trl_prefix_sharing`.
+"""
 
 from __future__ import annotations
 

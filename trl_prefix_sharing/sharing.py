@@ -1,0 +1,254 @@
+"""The one integration path: what every prefix-sharing trainer does with its models and its batches.
+
+:class:`PrefixSharing` is the integration object of one trainer. It owns the attention kernel (chosen once, in
+:func:`~trl_prefix_sharing.attention.choose_attn_implementation`), the model patches (attention switched, forward
+wrapped; scoped to the trainer's models and undone by :meth:`PrefixSharing.detach`), the pad id and the row rounding
+of the shared rows, and, per batch, the layout's mask (built once and kept in the layout, so the policy and reference
+passes share it). A trainer calls it in one line per batch:
+
+- preference trainers (DPO, reward): ``self.sharing.prepare(inputs)`` before TRL's loss or reference pass, on the
+  layout :class:`~trl_prefix_sharing.collator.PrefixSharingCollator` added to the batch;
+- online trainers (GRPO, RLOO, online DPO): ``self.sharing.generated_layout(input_ids, attention_mask, prompt_length)``
+  on the rows TRL generated.
+
+:class:`PrefixSharingMixin` is what a trainer class puts before TRL's: the checks before TRL's ``__init__``, the set-up
+after it, and :meth:`~PrefixSharingMixin.remove_prefix_sharing`. Packing is a separate feature
+(:mod:`trl_prefix_sharing.packing`) that uses the same layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from .architectures import check_supported_model
+from .attention import AttentionSwitch, build_attention_mask, choose_attn_implementation, shared_row_multiple
+from .collator import PrefixSharingCollator
+from .forward import install_prefix_sharing_forward, remove_prefix_sharing_forward, unwrap_model
+from .layout import shared_group_layout
+from .vision import check_supported_vision_model, has_vision_inputs, is_vision_config, shared_vision_inputs
+
+__all__ = ["PrefixSharing", "PrefixSharingMixin", "pad_token_id"]
+
+#: the attribute of a model that keeps its forward from before TRL's fused log-prob head was added here
+_UNFUSED = "_prefix_sharing_unfused_forward"
+
+
+def pad_token_id(processing_class) -> int:
+    """The pad id of a tokenizer, or of a processor's tokenizer (the shared rows' padding; any id is exact there)."""
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return pad if pad is not None else 0
+
+
+def check_model_and_processor(trainer_name: str, model, processing_class, peft_config, trust_remote_code: bool,
+                              supports_vision: bool) -> None:
+    """The checks before TRL builds anything: processor, PEFT kind and architecture (a clear error, never a silently
+    wrong number)."""
+    from transformers import ProcessorMixin
+
+    if isinstance(processing_class, ProcessorMixin) and not supports_vision:
+        raise ValueError(
+            f"{trainer_name} with prefix sharing does not lay out images (a processor was passed): prefix sharing "
+            "covers vision-language models in DPOTrainer only. Train this one with `prefix_sharing=False`."
+        )
+    if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
+        raise ValueError(
+            f"Prefix sharing does not support prompt-learning PEFT ({type(peft_config).__name__}): its virtual "
+            "tokens are prepended to every row and would be shared differently. Use LoRA-style adapters or "
+            "`prefix_sharing=False`."
+        )
+    if isinstance(model, str):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    else:
+        config = model.config
+    check_architecture(config, trainer_name, supports_vision)
+
+
+def check_architecture(config, trainer_name: str, supports_vision: bool) -> None:
+    """The architecture check: vision-language models (`vision.py`) or text models (`architectures.py`)."""
+    if is_vision_config(config):
+        if not supports_vision:
+            raise ValueError(f"{trainer_name} with prefix sharing does not support vision-language models "
+                             f"('{config.model_type}'). Train it with `prefix_sharing=False`.")
+        check_supported_vision_model(config)
+    else:
+        check_supported_model(config)
+
+
+class PrefixSharing:
+    """The prefix-sharing state of one trainer; see the module docstring.
+
+    Args:
+        models: the trainer's models (policy first, then the reference model if it has its own), unwrapped.
+        processing_class: the trainer's tokenizer or processor (for the pad id).
+        attn_implementation: `prefix_sharing_attn_implementation` (``"auto"``, ``"flex_attention"`` or ``"sdpa"``).
+        device: the device the models train on (decides ``"auto"``).
+        pad_to_multiple_of: the config's `pad_to_multiple_of`: what the shared rows' width is rounded up to (under
+            FlexAttention, its block size by default).
+        trainer_name: for error messages.
+        supports_vision: whether the trainer lays out images (DPO).
+        fuse_lm_head: add TRL's fused log-prob head to the models first (for a trainer that materialises logits in
+            stock, such as online DPO): the shared rows are then scored without logits over the prompt.
+    """
+
+    def __init__(self, models, processing_class, attn_implementation: str, device, pad_to_multiple_of=None,
+                 trainer_name: str = "This trainer", supports_vision: bool = False, fuse_lm_head: bool = False):
+        if getattr(getattr(models[0], "active_peft_config", None), "is_prompt_learning", False):
+            raise ValueError("Prefix sharing does not support prompt-learning PEFT adapters.")
+        for model in models:
+            check_architecture(model.config, trainer_name, supports_vision)
+        self.models = list(models)
+        self.pad_token_id = pad_token_id(processing_class)
+        self.attn_implementation = choose_attn_implementation(self.models, attn_implementation, device)
+        self.row_multiple = shared_row_multiple(self.attn_implementation, pad_to_multiple_of)
+        self._switch = AttentionSwitch()
+        self._fuse_lm_head = fuse_lm_head
+        self.attached = False
+
+    # ----------------------------------------------------------------------------------------------- models
+    def attach(self) -> None:
+        """Patch the models: (TRL's fused log-prob head,) the attention implementation, the shared forward."""
+        if self.attached:
+            return
+        if self._fuse_lm_head:
+            from trl.trainer.utils import add_fused_lm_head
+
+            for model in self.models:
+                if _UNFUSED not in model.__dict__:
+                    model.__dict__[_UNFUSED] = model.__dict__.get("forward")  # None: the class's own forward
+                    add_fused_lm_head(model)
+        for model in self.models:
+            self._switch.apply(model, self.attn_implementation)
+            install_prefix_sharing_forward(model)
+        self.attached = True
+
+    def detach(self) -> None:
+        """Undo every patch of :meth:`attach`; the models are as the trainer got them."""
+        for model in self.models:
+            remove_prefix_sharing_forward(model)
+        self._switch.restore()
+        for model in self.models:
+            if _UNFUSED in model.__dict__:
+                unfused = model.__dict__.pop(_UNFUSED)
+                if unfused is None:
+                    del model.__dict__["forward"]
+                else:
+                    model.forward = unfused
+        self.attached = False
+
+    # ----------------------------------------------------------------------------------------------- batches
+    def collator(self, base_collator, share_prefix: bool = True) -> PrefixSharingCollator:
+        """The stock collator, wrapped to add the shared layout of each batch (rows rounded as this trainer needs)."""
+        if isinstance(base_collator, PrefixSharingCollator):
+            return base_collator
+        return PrefixSharingCollator(base_collator, pad_token_id=self.pad_token_id,
+                                     pad_to_multiple_of=self.row_multiple, share_prefix=share_prefix)
+
+    def prepare(self, inputs: Mapping) -> dict:
+        """Complete the layout a collated batch carries (``inputs["prefix_sharing"]``) for the forward: its mask, and
+        for a vision batch its images once per example. Built once per batch (cached in the layout), shared by the
+        policy and reference passes. Returns the layout."""
+        layout = inputs.get("prefix_sharing") if isinstance(inputs, Mapping) else None
+        if layout is None:
+            raise RuntimeError("Prefix sharing is on but the batch has no layout: was the data collator replaced?")
+        if "attention_mask" not in layout:
+            layout["attention_mask"] = build_attention_mask(layout, self.attn_implementation, self.models[0].config)
+        if "vision" not in layout and has_vision_inputs(inputs):  # images once per pair, M-RoPE positions
+            layout["vision"] = shared_vision_inputs(self.models[0], inputs, layout)
+        return layout
+
+    def generated_layout(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
+                         score_padding: bool = False) -> dict:
+        """The layout, with its mask, of generated rows ``[left-padded prompt | completion]``: one document per group
+        of rows with equal prompt columns (``score_padding``: see `build_shared_batch`)."""
+        layout = shared_group_layout(input_ids, attention_mask, prompt_length, self.pad_token_id, self.row_multiple,
+                                     score_padding=score_padding)
+        layout["attention_mask"] = build_attention_mask(layout, self.attn_implementation, self.models[0].config)
+        return layout
+
+
+class PrefixSharingMixin:
+    """Placed before TRL's trainer class (and before :class:`~trl_prefix_sharing.packing.PackingMixin`). A trainer
+    calls `_init_prefix_sharing(...)` before TRL's `__init__` and `_setup_prefix_sharing()` after it; the integration
+    object is then `self.sharing` (None while the trainer runs as stock TRL)."""
+
+    #: the config class with the prefix-sharing fields (set by each trainer)
+    _config_class: type
+    #: whether the trainer lays out images for prefix sharing (DPO: yes; reward, GRPO, RLOO, online DPO: no)
+    _supports_vision = False
+    #: whether the models get TRL's fused log-prob head from this package (trainers that score full logits in stock)
+    _fuse_lm_head = False
+
+    def _init_prefix_sharing(self, model, args, processing_class, peft_config=None) -> None:
+        """Before TRL's `__init__`: read the options and check what can be checked (the config class, the model and
+        the processor)."""
+        self.sharing = None
+        self._prefix_sharing = bool(getattr(args, "prefix_sharing", False))
+        self._init_packing(args)
+        if self._uses_layout:
+            if not isinstance(args, self._config_class):
+                raise TypeError(f"`prefix_sharing`/`packing` need `trl_prefix_sharing.{self._config_class.__name__}` "
+                                "as `args`.")
+            check_model_and_processor(type(self).__name__, model, processing_class, peft_config,
+                                      getattr(args, "trust_remote_code", False), self._supports_vision)
+
+    def _init_packing(self, args) -> None:
+        """Packing's options (see `PackingMixin`); trainers without packing have none."""
+        self._packing = False
+
+    @property
+    def prefix_sharing(self) -> bool:
+        """Whether this trainer shares prefixes (the config's `prefix_sharing`, until `remove_prefix_sharing()`)."""
+        return getattr(self, "_prefix_sharing", False)
+
+    @property
+    def packing(self) -> bool:
+        return getattr(self, "_packing", False)
+
+    @property
+    def _uses_layout(self) -> bool:
+        """Prefix sharing and packing both run the model on the shared layout."""
+        return self.prefix_sharing or self.packing
+
+    def _layout_models(self) -> list:
+        models = [unwrap_model(self.model)]
+        if getattr(self, "ref_model", None) is not None:
+            models.append(unwrap_model(self.ref_model))
+        return models
+
+    def _setup_prefix_sharing(self) -> None:
+        """After TRL's `__init__` (or from inside it, on first use): the integration object, the model patches and,
+        for preference trainers, the collator. Idempotent."""
+        if self.sharing is not None or not self._uses_layout:
+            return
+        self.sharing = PrefixSharing(
+            self._layout_models(),
+            self.processing_class,
+            self.args.prefix_sharing_attn_implementation,
+            self.accelerator.device,
+            pad_to_multiple_of=getattr(self.args, "pad_to_multiple_of", None),
+            trainer_name=type(self).__name__,
+            supports_vision=self._supports_vision,
+            fuse_lm_head=self._fuse_lm_head,
+        )
+        self.sharing.attach()
+        self._setup_collator()
+
+    def _setup_collator(self) -> None:
+        """Preference trainers wrap their collator (see `PreferenceSharingMixin`); online trainers lay out in the
+        forward."""
+
+    def remove_prefix_sharing(self) -> None:
+        """Undo the model patches (and the collator wrap): the trainer then trains as stock TRL. The config is left as
+        it was given."""
+        if self.sharing is not None:
+            self.sharing.detach()
+            self.sharing = None
+        if isinstance(getattr(self, "data_collator", None), PrefixSharingCollator):
+            self.data_collator = self.data_collator.base_collator
+        self._prefix_sharing = False
+        self._packing = False
