@@ -168,8 +168,11 @@ def test_unproven_vision_families_are_refused(tmp_path, processors):
     assert attention_module.vision_attn_implementation("sdpa", "sdpa") == "sdpa"
     with pytest.raises(ValueError, match="prefix_sharing_attn_implementation='sdpa'"):
         attention_module.vision_attn_implementation("flex_attention", "flex_attention")
+    # a window slides where the text config has sliding layers (as transformers builds `layer_types` from
+    # `use_sliding_window`, `sliding_window` and `max_window_layers`): the one window rule of `window_layout`
     sliding = make_vision_config("qwen2_vl", processors["qwen2_vl"].tokenizer)
-    sliding.text_config.use_sliding_window = True
+    sliding.text_config.use_sliding_window, sliding.text_config.sliding_window = True, 8
+    sliding.text_config.layer_types = ["full_attention", "sliding_attention"]
     with pytest.raises(ValueError, match="sliding-window"):
         vision_module.check_supported_vision_model(sliding)
 
