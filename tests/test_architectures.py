@@ -123,11 +123,10 @@ def test_contract_refusals_without_a_registry_entry(overrides, match):
         check_supported_model(config)
 
 
-def _sliding_layers(family, **overrides):
+def _sliding_layers(family):
     """`family`'s tiny config with a window of 6 on its first layer (full attention on the others)."""
-    layers = make_config(family, 8).num_hidden_layers
-    return make_config(family, 8, sliding_window=6, layer_types=["sliding_attention"] + ["full_attention"] * (layers - 1),
-                       **overrides)
+    layer_types = ["sliding_attention"] + ["full_attention"] * (make_config(family, 8).num_hidden_layers - 1)
+    return make_config(family, 8, sliding_window=6, layer_types=layer_types)
 
 
 def test_unmeasured_window_is_refused():
