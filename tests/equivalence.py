@@ -124,6 +124,16 @@ def awkward_text_dataset() -> Dataset:
     return Dataset.from_list(rows)
 
 
+def tie_free_text_dataset() -> Dataset:
+    """`awkward_text_dataset` with different completions in its tie row (identical completions tie exactly in the
+    shared row and by round-off in stock's rows, see `expected_shared_accuracy`): stock's reward accuracy is then
+    compared exactly."""
+    rows = awkward_text_dataset().to_list()
+    assert rows[2]["chosen"] == rows[2]["rejected"]
+    rows[2]["rejected"] = " 8"
+    return Dataset.from_list(rows)
+
+
 def conversational_dataset() -> Dataset:
     """Multi-turn conversational prompts (system + several user/assistant turns)."""
     rows = []
@@ -209,12 +219,7 @@ def assert_same_reward_step(stock, shared, compare_rewards=True, atol=1e-5, rtol
         if key == "num_tokens" and not compare_rewards:
             continue  # ranked rows are counted once, the expanded pairs repeat them
         if key == "accuracy" and compare_rewards:
-            # chosen > rejected at an exact tie (identical completions): stock's two rows differ by round-off (1e-8),
-            # the shared row gives both the same positions, so bitwise equal rewards. Ties may count either way.
-            half = stock["rewards"].shape[0] // 2
-            margins = stock["rewards"][:half] - stock["rewards"][half:]
-            ties = int((margins.abs() <= atol).sum())
-            assert abs(float(shared["metrics"][key]) - float(value)) <= ties / max(half, 1) + 1e-6, (key, ties)
+            assert float(shared["metrics"][key]) == expected_shared_accuracy(stock, shared), (key, value)
             continue
         torch.testing.assert_close(torch.tensor(float(shared["metrics"][key])), torch.tensor(float(value)),
                                    atol=atol, rtol=rtol, msg=lambda m, key=key: f"metric {key}: {m}")
@@ -222,6 +227,29 @@ def assert_same_reward_step(stock, shared, compare_rewards=True, atol=1e-5, rtol
     for name, grad in stock["grads"].items():
         torch.testing.assert_close(shared["grads"][name], grad, atol=atol, rtol=rtol,
                                    msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+def tied_pairs(batch) -> torch.Tensor:
+    """[B] bool: pairs whose chosen and rejected rows are the same tokens (identical completions), in a stock reward
+    batch (chosen rows first, then rejected)."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    half = ids.shape[0] // 2
+    return (ids[:half] == ids[half:]).all(1) & (mask[:half] == mask[half:]).all(1)
+
+
+def expected_shared_accuracy(stock, shared) -> float:
+    """The reward `accuracy` prefix sharing must log, exactly (no tolerance): stock's, except at exact ties (identical
+    completions). There stock's two rows can differ by round-off (about 1e-8) and count either way, while the shared
+    row gives both completions the same positions, so bitwise equal rewards: a tie, not won. Without ties this is
+    stock's own metric."""
+    half = stock["rewards"].shape[0] // 2
+    assert half > 0
+    wins = (stock["rewards"][:half] > stock["rewards"][half:]).reshape(half)
+    assert float(stock["metrics"]["accuracy"]) == wins.float().mean().item()  # stock's metric is read from its rewards
+    ties = tied_pairs(stock["batch"]).to(wins.device)
+    tied_rewards = shared["rewards"][:half][ties], shared["rewards"][half:][ties]
+    assert torch.equal(*tied_rewards), tied_rewards
+    return (wins & ~ties).float().mean().item()
 
 
 def leaky_dpo_mask(document_ids, branch_ids, position_ids=None, window=None, key_visible=None):

@@ -2,6 +2,7 @@
 every refused one is refused with its reason. The families and variants are the registry's
 (trl_prefix_sharing/data/architectures.json, written by scripts/sweep_architectures.py)."""
 
+import copy
 import json
 
 import pytest
@@ -18,8 +19,8 @@ from equivalence import (
 )
 
 import trl_prefix_sharing.attention as attention_module
-from trl_prefix_sharing import DPOTrainer
-from trl_prefix_sharing.architectures import REFUSED, check_supported_model, registry, window_layout
+from trl_prefix_sharing import DPOTrainer, architectures
+from trl_prefix_sharing.architectures import REFUSED, check_supported_model, registry, variant_configs, window_layout
 from trl_prefix_sharing.testing import make_config, make_model
 
 SUPPORTED = registry()["supported"]
@@ -122,15 +123,42 @@ def test_contract_refusals_without_a_registry_entry(overrides, match):
         check_supported_model(config)
 
 
-def test_unmeasured_window_is_refused(tokenizer, tmp_path):
-    """A family measured without a window (its window option differs or is unmeasured) refuses a config with one."""
-    without_window = [f for f, e in SUPPORTED.items() if "sliding_window" not in e["variants"]
-                      and hasattr(make_config(f, 8), "sliding_window")]
-    for family in without_window:
-        config = make_config(family, 8, sliding_window=6)
-        if window_layout(config)[0] is not None:
-            with pytest.raises(ValueError, match="without a sliding window"):
-                check_supported_model(config)
+def _sliding_layers(family):
+    """`family`'s tiny config with a window of 6 on its first layer (full attention on the others)."""
+    layer_types = ["sliding_attention"] + ["full_attention"] * (make_config(family, 8).num_hidden_layers - 1)
+    return make_config(family, 8, sliding_window=6, layer_types=layer_types)
+
+
+def test_unmeasured_window_is_refused():
+    """A family measured without a window refuses a config whose layers slide (the registry as it is): the supported
+    families whose config has a window option but no measured window variant (the sweep found their tiny config's
+    layer types slide nowhere; laguna, mellum and smollm3 today)."""
+    unmeasured = [f for f, e in SUPPORTED.items() if "sliding_window" not in e["variants"]
+                  and "sliding_window" in variant_configs(make_config(f, 8))]
+    assert unmeasured  # the loop below must run (if the registry measures every window, construct the case instead)
+    for family in unmeasured:
+        check_supported_model(make_config(family, 8))  # measured without a window: allowed
+        config = _sliding_layers(family)
+        assert window_layout(config) == (6, True)
+        with pytest.raises(ValueError, match=f"measured equal for '{family}' without a sliding window only "
+                                             r"\(sliding_window: not measured\); this config sets `sliding_window=6`"):
+            check_supported_model(config)
+
+
+def test_failed_window_variant_is_refused_with_its_outcome(monkeypatch):
+    """A family whose window variant was measured and differed (a registry copy with Mistral's window variant moved to
+    `failed_variants`) refuses a config with a window and names the measured outcome; the real entry allows it."""
+    config = make_config("mistral", 8, sliding_window=6)
+    assert window_layout(config) == (6, False)
+    check_supported_model(config)  # measured with a window: allowed
+    patched = copy.deepcopy(registry())
+    entry = patched["supported"]["mistral"]
+    entry["variants"].remove("sliding_window")
+    entry["failed_variants"] = {"sliding_window": {"dpo": "differs: chosen logps 0.1", "reward": None}}
+    monkeypatch.setattr(architectures, "registry", lambda: patched)
+    with pytest.raises(ValueError, match=r"measured equal for 'mistral' without a sliding window only "
+                                         r"\(sliding_window: dpo differs: chosen logps 0.1\)"):
+        check_supported_model(config)
 
 
 def test_trust_remote_code_subclass_of_a_supported_type(tmp_path, tokenizer):

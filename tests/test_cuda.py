@@ -29,7 +29,10 @@ from trl_prefix_sharing.testing import FAMILIES, make_model, synthetic_pairs
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlexAttention backward)")
 
 FP32 = {"atol": 1e-5, "rtol": 1e-5}  # the CPU tests' tolerance
-BF16 = {"atol": 0.05, "rtol": 1e-2}  # README "Precision", tests/test_hardening.py
+# bf16 per-pair summed log-probs and loss, absolute (a relative 1e-2 let 0.5 nats through on a 240-nat sum): measured
+# on CPU only (tests/bf16_spread.py, see BF16_SUM_ATOL in tests/test_hardening.py): FlexAttention's CPU forward at most
+# 0.0034 nats from stock, SDPA 0.0010; about 3x that here for the CUDA kernels, not measured on a GPU yet
+BF16 = {"atol": 0.01, "rtol": 0}
 ON_GPU = {"use_cpu": False, "gradient_checkpointing": True}
 
 

@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 import trl
-from equivalence import awkward_text_dataset, compare_step, dpo_args, make_trainers
+from equivalence import awkward_text_dataset, compare_step, dpo_args, leaky_dpo_mask, make_trainers
 
 from trl_prefix_sharing import DPOTrainer
-from trl_prefix_sharing.testing import make_model, synthetic_pairs
+from trl_prefix_sharing.testing import FAMILIES, make_model, synthetic_pairs
 
 
 def _losses(trainer):
@@ -42,22 +42,70 @@ def test_resume_mid_epoch_sees_the_same_batches(tmp_path, tokenizer):
     assert not any("attn" in key for key in config)
 
 
-def test_bf16_log_probs_within_bf16_tolerance(tmp_path, tokenizer):
-    """In bf16, prefix sharing changes the order of some reductions (other row shapes), not the math: per-pair
-    log-probs stay within bf16 round-off of stock TRL's (relative 1e-2 here; fp32 agrees to 1e-6)."""
-    dataset = awkward_text_dataset()
-    model = make_model("qwen3", len(tokenizer)).to(torch.bfloat16)
-    ref = make_model("qwen3", len(tokenizer), seed=1).to(torch.bfloat16)
-    stock, shared = make_trainers(tmp_path, "qwen3", dataset, tokenizer, model=model, ref_model=ref)
+#: bf16 tolerance on per-pair summed log-probs (nats, absolute: a relative one would grow with the sum, 1e-2 of a
+#: 240-nat sum let a 0.5-nat error through). Measured by `PYTHONPATH=. python tests/bf16_spread.py --seeds 0 1 2 3 4`
+#: (+ `--autocast`, `--flex`; CPU, bf16 weights, the four families x 5 seeds x {awkward_text_dataset, 8 synthetic
+#: pairs}, sums up to 241 nats): shared vs stock (SDPA) at most 0.0010 on sums, 0.0020 per token (the same with
+#: autocast); shared through FlexAttention (CPU forward) 0.0034; stock against itself in another layout (16 more
+#: pad columns 0.0012, one pair per batch 0.0025, reversed order 0). 2x the largest of those layout spreads.
+BF16_SUM_ATOL = 5e-3
+BF16_DATA = {"awkward_text": awkward_text_dataset, "synthetic": lambda: synthetic_pairs(8, (1, 40), (1, 12), seed=5)}
+
+
+def _half_a_nat_on_one_token(shared_forward):
+    """A deliberately wrong shared forward: 0.5 nats more on the last token of the longest completion (a sum of about
+    240 nats, where a relative tolerance of 1e-2 would let it through)."""
+
+    def forward(*args, **kwargs):
+        outputs = shared_forward(*args, **kwargs)
+        row = int(outputs.label_mask.sum(1).argmax())
+        outputs.log_probs[row, int(outputs.label_mask[row].nonzero()[-1])] += 0.5
+        return outputs
+
+    return forward
+
+
+def _bf16_log_probs(tmp_path, tokenizer, family, dataset):
+    model = make_model(family, len(tokenizer)).to(torch.bfloat16)
+    ref = make_model(family, len(tokenizer), seed=1).to(torch.bfloat16)
+    stock, shared = make_trainers(tmp_path, family, dataset, tokenizer, model=model, ref_model=ref)
     examples = [row for row in stock.train_dataset]
     results = []
     for trainer in (stock, shared):
         batch = trainer._prepare_inputs(trainer.data_collator(examples))
         results.append(trainer.compute_ref_log_probs(trainer.model, batch))
     assert all(p.dtype == torch.bfloat16 for t in (stock, shared) for p in t.model.parameters())
-    for stock_logps, shared_logps in zip(*results):
-        assert stock_logps.numel() > 0  # TRL's fused head sums the per-token log-probs in fp32
-        torch.testing.assert_close(shared_logps.float(), stock_logps.float(), rtol=1e-2, atol=0.05)
+    return results
+
+
+def _assert_bf16_close(stock_logps, shared_logps):
+    for expected, got in zip(stock_logps, shared_logps):
+        assert expected.numel() > 0  # TRL's fused head sums the per-token log-probs in fp32
+        torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=BF16_SUM_ATOL)
+
+
+@pytest.mark.parametrize("data", list(BF16_DATA))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_log_probs_within_bf16_tolerance(tmp_path, tokenizer, family, data):
+    """In bf16, prefix sharing changes the order of some reductions (other row shapes), not the math: per-pair
+    log-probs stay within bf16 round-off of stock TRL's, as close as stock is to itself in another layout."""
+    _assert_bf16_close(*_bf16_log_probs(tmp_path, tokenizer, family, BF16_DATA[data]()))
+
+
+@pytest.mark.parametrize("wrong", ["half_a_nat_on_one_token", "leaky_mask"])
+def test_bf16_tolerance_catches_a_wrong_shared_forward(tmp_path, tokenizer, monkeypatch, wrong):
+    """The bf16 tolerance fails 0.5 nats on one token and a mask that lets rejected see chosen (the former rtol 1e-2,
+    atol 0.05 let both through)."""
+    import trl_prefix_sharing.attention as attention_module
+    import trl_prefix_sharing.forward as forward_module
+
+    if wrong == "leaky_mask":
+        monkeypatch.setattr(attention_module, "dpo_mask", leaky_dpo_mask)
+    else:
+        wrong_forward = _half_a_nat_on_one_token(forward_module._shared_forward)
+        monkeypatch.setattr(forward_module, "_shared_forward", wrong_forward)
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        _assert_bf16_close(*_bf16_log_probs(tmp_path, tokenizer, "qwen3", awkward_text_dataset()))
 
 
 def test_qlora_4bit_matches_stock(tmp_path, tokenizer):

@@ -40,7 +40,9 @@ def test_packed_logps_and_gradient_equal_stock(tmp_path, tokenizer, family, pref
         packed.data_collator.packing_row_length = None
     examples = [dataset_row for dataset_row in stock.train_dataset]
     stock_result = step(stock, examples)
-    packed_result = step(packed, examples)  # one micro-batch
+    # one optimizer step of one micro-batch on one rank, as `get_batch_samples` counts it before the step (scale 1)
+    packed._pairs_in_window, packed.current_gradient_accumulation_steps = len(examples), 1
+    packed_result = step(packed, examples)
     layout = packed_result["batch"]["prefix_sharing"]
     if rows == "one_row":
         assert layout["input_ids"].shape == (1, 512) and int(layout["document_ids"].max()) >= len(examples) - 1
@@ -48,8 +50,14 @@ def test_packed_logps_and_gradient_equal_stock(tmp_path, tokenizer, family, pref
         longest = int(packed.data_collator.unpacked()(examples)["prefix_sharing"]["document_ids"].ge(0).sum(1).max())
         assert layout["input_ids"].shape[0] > 1 and layout["input_ids"].shape[1] == longest
         assert int(layout["document_ids"].max()) >= 1  # several documents share a row
-    packed._pairs_in_window = len(examples)
     assert_same_step(stock_result, packed_result)
+    # the same pairs as two packed micro-batches of 3 and 5 pairs in one window: the loss rescale (scale 0.75 and 1.25)
+    # makes them stock's one batch; without it each micro-batch's mean would weigh its pairs unequally
+    loss, grads = _packed_step(packed, [examples[:3], examples[3:]])
+    torch.testing.assert_close(loss, stock_result["loss"], atol=1e-5, rtol=1e-5)
+    assert grads and set(grads) == set(stock_result["grads"])
+    for name, grad in stock_result["grads"].items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-5)
 
 
 def test_gradient_accumulation_weighs_every_pair_equally(tmp_path, tokenizer):

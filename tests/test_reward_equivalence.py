@@ -12,6 +12,8 @@ from equivalence import (
     make_reward_model,
     make_reward_trainers,
     reward_step,
+    tie_free_text_dataset,
+    tied_pairs,
 )
 
 import trl_prefix_sharing.attention as attention_module
@@ -55,6 +57,33 @@ def test_reward_step_matches_stock(tmp_path, tokenizer, family, data):
     _, result = _compare(stock, shared)
     layout = result["batch"]["prefix_sharing"]
     assert (layout["document_ids"] >= 0).sum() < result["batch"]["attention_mask"].sum()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reward_accuracy_equals_stock_exactly_without_ties(tmp_path, tokenizer, family):
+    """No identical completions: the accuracy is stock's, compared with `==` (assert_same_reward_step)."""
+    stock, shared = make_reward_trainers(tmp_path, family, tie_free_text_dataset(), tokenizer)
+    stock_result, shared_result = _compare(stock, shared)
+    assert not tied_pairs(stock_result["batch"]).any()
+    accuracy = float(stock_result["metrics"]["accuracy"])
+    assert 0 < accuracy < 1  # pairs won and lost: one flipped pair would change it by 1/8
+    assert float(shared_result["metrics"]["accuracy"]) == accuracy
+
+
+def test_reward_tie_is_not_won_in_the_shared_row(tmp_path, tokenizer):
+    """Identical completions (awkward_text_dataset's third pair): stock's two rows agree up to round-off and may count
+    as won; the shared row gives both completions the same positions, so bitwise equal rewards, never won. The
+    accuracy is stock's over the other pairs, exactly."""
+    stock, shared = make_reward_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer)
+    stock_result, shared_result = _compare(stock, shared)
+    ties = tied_pairs(stock_result["batch"])
+    assert ties.tolist() == [i == 2 for i in range(8)]
+    rewards, shared_rewards = stock_result["rewards"], shared_result["rewards"]
+    torch.testing.assert_close(rewards[:8][ties], rewards[8:][ties], atol=1e-6, rtol=0)
+    assert torch.equal(shared_rewards[:8][ties], shared_rewards[8:][ties])
+    wins = (rewards[:8] > rewards[8:]).reshape(8)
+    assert float(stock_result["metrics"]["accuracy"]) == wins.float().mean().item()
+    assert float(shared_result["metrics"]["accuracy"]) == (wins & ~ties).float().mean().item()
 
 
 def test_reward_wrong_mask_fails(tmp_path, tokenizer, monkeypatch):

@@ -74,11 +74,12 @@ def test_stream_batch_larger_than_packing_length_takes_several_rows(tmp_path, to
     packed.data_collator.packing_row_length = packed.data_collator.packing_length  # the FlexAttention stream layout
     examples = list(stock.train_dataset)
     assert len(examples) == 8
+    packed._pairs_in_window = len(examples)  # one optimizer step of one micro-batch on one rank
+    packed.current_gradient_accumulation_steps = 1
     stock_result, packed_result = step(stock, examples), step(packed, examples)
     layout = packed_result["batch"]["prefix_sharing"]
     assert layout["input_ids"].shape[0] > 1 and layout["input_ids"].shape[1] == 128
     assert int(layout["document_ids"].max()) >= 1  # several pairs in a row
-    packed._pairs_in_window = len(examples)
     assert_same_step(stock_result, packed_result)
 
 
