@@ -1,8 +1,10 @@
-"""Prefix sharing for TRL's DPO, reward, GRPO, RLOO and online DPO trainers: compute each prompt once, get stock TRL's numbers."""
+"""Prefix sharing for TRL's DPO, reward, GRPO, RLOO and online DPO trainers: compute each prompt once, get stock TRL's
+numbers."""
 
 from __future__ import annotations
 
 import importlib
+
 
 __version__ = "0.1.0"
 

@@ -1,3 +1,4 @@
 from .cli import main
 
+
 raise SystemExit(main())

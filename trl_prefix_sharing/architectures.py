@@ -22,6 +22,7 @@ import functools
 import json
 from importlib import resources
 
+
 __all__ = [
     "REFUSED",
     "VARIANTS",
@@ -44,7 +45,9 @@ ROW_POSITIONS = (
 LOCAL_ROWS = (
     "local or chunked attention is counted in row positions (chunks of the shared row), not in the original positions"
 )
-NOT_CAUSAL = "not a decoder-only causal LM (encoder or encoder-decoder): tokens attend both ways, a completion sees the other"
+NOT_CAUSAL = (
+    "not a decoder-only causal LM (encoder or encoder-decoder): tokens attend both ways, a completion sees the other"
+)
 MASK_2D = "the forward assumes a 2-D padding mask and does not honour a given 4-D mask"
 
 #: model_type -> why prefix sharing cannot give stock's numbers, known from the model's code (the sweep measured these
@@ -52,18 +55,72 @@ MASK_2D = "the forward assumes a 2-D padding mask and does not honour a given 4-
 #: Families refused by measurement alone carry the measured outcome as their reason in the registry.
 REFUSED: dict[str, str] = {
     **dict.fromkeys(
-        ["bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear", "lfm2",
-         "lfm2_moe", "mamba", "mamba2", "minimax", "nemotron_h", "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
-         "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "recurrent_gemma", "rwkv", "xlstm", "zamba", "zamba2"],
-        RECURRENT),
+        [
+            "bailing_hybrid",
+            "bamba",
+            "falcon_h1",
+            "falcon_mamba",
+            "granitemoehybrid",
+            "jamba",
+            "kimi_linear",
+            "lfm2",
+            "lfm2_moe",
+            "mamba",
+            "mamba2",
+            "minimax",
+            "nemotron_h",
+            "olmo_hybrid",
+            "qwen3_5",
+            "qwen3_5_moe",
+            "qwen3_5_moe_text",
+            "qwen3_5_text",
+            "qwen3_next",
+            "recurrent_gemma",
+            "rwkv",
+            "xlstm",
+            "zamba",
+            "zamba2",
+        ],
+        RECURRENT,
+    ),
     **dict.fromkeys(["biogpt", "bloom", "cpmant", "mpt", "opt", "xglm"], ROW_POSITIONS),
     **dict.fromkeys(["gpt_neo", "llama4", "llama4_text"], LOCAL_ROWS),
     **dict.fromkeys(
-        ["bart", "bert", "bert-generation", "big_bird", "bigbird_pegasus", "blenderbot", "blenderbot-small",
-         "camembert", "data2vec-text", "electra", "ernie", "marian", "mbart", "megatron-bert", "musicgen",
-         "musicgen_melody", "mvp", "pegasus", "plbart", "prophetnet", "rembert", "roberta", "roberta-prelayernorm",
-         "roc_bert", "roformer", "trocr", "whisper", "xlm", "xlm-roberta", "xlm-roberta-xl", "xmod"],
-        NOT_CAUSAL),
+        [
+            "bart",
+            "bert",
+            "bert-generation",
+            "big_bird",
+            "bigbird_pegasus",
+            "blenderbot",
+            "blenderbot-small",
+            "camembert",
+            "data2vec-text",
+            "electra",
+            "ernie",
+            "marian",
+            "mbart",
+            "megatron-bert",
+            "musicgen",
+            "musicgen_melody",
+            "mvp",
+            "pegasus",
+            "plbart",
+            "prophetnet",
+            "rembert",
+            "roberta",
+            "roberta-prelayernorm",
+            "roc_bert",
+            "roformer",
+            "trocr",
+            "whisper",
+            "xlm",
+            "xlm-roberta",
+            "xlm-roberta-xl",
+            "xmod",
+        ],
+        NOT_CAUSAL,
+    ),
 }
 
 #: `layer_types` entries that are not attention: any of them makes a model recurrent in the sense of the contract
@@ -93,7 +150,8 @@ def variant_configs(config) -> dict[str, dict]:
 # ---------------------------------------------------------------------------------------------------- registry
 @functools.lru_cache(maxsize=1)
 def registry() -> dict:
-    """The measured registry (``data/architectures.json``): ``{"supported": {model_type: entry}, "refused": {...}}``."""
+    """The measured registry (``data/architectures.json``): ``{"supported": {model_type: entry}, "refused":
+    {...}}``."""
     text = resources.files("trl_prefix_sharing").joinpath("data/architectures.json").read_text()
     return json.loads(text)
 
@@ -129,7 +187,8 @@ def check_supported_model(config) -> None:
         raise ValueError(
             f"Prefix sharing is not measured for the model type '{model_type}', so its log-probs could differ from "
             f"stock TRL. Measured equal: {', '.join(supported_model_types())}. To measure it: "
-            f"`python scripts/sweep_architectures.py {model_type} --write`; until then {way_out[0].lower() + way_out[1:]}"
+            f"`python scripts/sweep_architectures.py {model_type} --write`; until then "
+            f"{way_out[0].lower() + way_out[1:]}"
         )
     window, _ = window_layout(text_config)
     if window is not None and "sliding_window" not in entry.get("variants", ()):

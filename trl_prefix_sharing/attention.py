@@ -7,7 +7,8 @@ saved config never names one):
 
 - ``"flex_attention"``: a FlexAttention ``BlockMask`` (block-sparse: fully masked blocks are skipped). CUDA only for
   training, since FlexAttention has no backward on CPU.
-- ``"sdpa"``: the same mask evaluated densely as a boolean ``[N, 1, S, S]`` tensor for ``scaled_dot_product_attention``.
+- ``"sdpa"``: the same mask evaluated densely as a boolean ``[N, 1, S, S]`` tensor for
+``scaled_dot_product_attention``.
 - ``"eager"``: the same dense mask as an additive float tensor (0 where attended, the float32 minimum elsewhere), for
   model classes that support neither (attention softcapping, sinks).
 
@@ -24,6 +25,7 @@ from transformers.utils import logging
 from .architectures import supported_model_types, window_layout
 from .mask import block_mask, dense_mask, dpo_mask
 from .vision import VISION_MODEL_TYPES, is_vision_config
+
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -42,7 +44,8 @@ logger = logging.get_logger(__name__)
 #: Architectures measured equal to stock TRL under prefix sharing (the registry in :mod:`.architectures`).
 SUPPORTED_MODEL_TYPES = supported_model_types()
 ATTN_IMPLEMENTATIONS = ("auto", "flex_attention", "sdpa")
-#: FlexAttention's block size (`create_block_mask`'s default): the width shared rows are rounded to under FlexAttention.
+#: FlexAttention's block size (`create_block_mask`'s default): the width shared rows are rounded to under
+#: FlexAttention.
 FLEX_ROW_MULTIPLE = 128
 
 
@@ -127,8 +130,11 @@ def choose_attn_implementation(models, requested: str, device) -> str:
             f"({sorted(choices)}); use a reference model of the same architecture."
         )
     choice = choices.pop()
-    form = {"flex_attention": "a block-sparse BlockMask", "sdpa": "a dense boolean mask",
-            "eager": "a dense additive float mask"}[choice]
+    form = {
+        "flex_attention": "a block-sparse BlockMask",
+        "sdpa": "a dense boolean mask",
+        "eager": "a dense additive float mask",
+    }[choice]
     if choice == resolved:
         how = f"'{requested}' on {torch.device(device).type}" if requested == "auto" else "as requested"
         logger.info(f"Prefix sharing: the shared mask runs on `{choice}` ({how}), as {form}.")
@@ -189,7 +195,9 @@ def build_attention_mask(layout: dict[str, torch.Tensor], attn_implementation: s
             return dense_mask(mask_mod, n, s, s, device=document_ids.device)
         if attn_implementation == "eager":  # eager attention adds the mask to the scores
             allowed = dense_mask(mask_mod, n, s, s, device=document_ids.device)
-            return torch.zeros(allowed.shape, device=allowed.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
+            return torch.zeros(allowed.shape, device=allowed.device).masked_fill(
+                ~allowed, torch.finfo(torch.float32).min
+            )
         raise ValueError(f"No prefix-sharing mask for attention implementation {attn_implementation!r}.")
 
     window, mixed = window_layout(config)
@@ -200,8 +208,10 @@ def build_attention_mask(layout: dict[str, torch.Tensor], attn_implementation: s
         sliding = make(torch.tensor(window, device=document_ids.device))
         if not mixed:
             return sliding
-        return {"full_attention": make(torch.tensor(torch.iinfo(torch.long).max, device=document_ids.device)),
-                "sliding_attention": sliding}
+        return {
+            "full_attention": make(torch.tensor(torch.iinfo(torch.long).max, device=document_ids.device)),
+            "sliding_attention": sliding,
+        }
     if window is not None and int(position_ids.max()) < window:
         window = None  # no query is `window` positions away from any key: the window changes nothing
     full = make(None) if window is None or mixed else None

@@ -7,6 +7,7 @@ from typing import Any
 
 from .layout import build_shared_batch
 
+
 __all__ = ["PrefixSharingCollator", "unit_lengths"]
 
 
@@ -32,9 +33,15 @@ class PrefixSharingCollator:
             mask (so never more than the stock rows' padding); FlexAttention skips masked blocks and takes one row.
     """
 
-    def __init__(self, base_collator, pad_token_id: int, pad_to_multiple_of: int | None = None,
-                 share_prefix: bool = True, packing_length: int | None = None,
-                 packing_row_length: int | str | None = None):
+    def __init__(
+        self,
+        base_collator,
+        pad_token_id: int,
+        pad_to_multiple_of: int | None = None,
+        share_prefix: bool = True,
+        packing_length: int | None = None,
+        packing_row_length: int | str | None = None,
+    ):
         self.base_collator = base_collator
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
@@ -65,8 +72,10 @@ class PrefixSharingCollator:
         groups = self.example_groups(batch)
         if self.share_prefix:
             return groups
-        keys = [(tuple(batch["input_ids"][r].tolist()), tuple(batch["attention_mask"][r].tolist()))
-                for r in range(batch["input_ids"].shape[0])]
+        keys = [
+            (tuple(batch["input_ids"][r].tolist()), tuple(batch["attention_mask"][r].tolist()))
+            for r in range(batch["input_ids"].shape[0])
+        ]
         documents = []
         for group in groups:
             classes: dict = {}
@@ -105,11 +114,12 @@ class PrefixSharingCollator:
         return first_fit_decreasing(order, lengths, row_length), row_length
 
     def document_lengths(self, batch, documents) -> list[int]:
-        layout = build_shared_batch(batch["input_ids"], batch["attention_mask"], groups=documents,
-                                    completion_mask=batch.get("completion_mask"))
+        layout = build_shared_batch(
+            batch["input_ids"], batch["attention_mask"], groups=documents, completion_mask=batch.get("completion_mask")
+        )
         return (layout["document_ids"] >= 0).sum(dim=1).tolist()
 
-    def unpacked(self) -> "PrefixSharingCollator":
+    def unpacked(self) -> PrefixSharingCollator:
         """This collator with one document per row (used to measure each example's packing unit)."""
         clone = copy.copy(self)
         clone.packing_length = None
@@ -129,6 +139,6 @@ def unit_lengths(dataset, collator: PrefixSharingCollator, chunk_size: int = 256
         if unpacked.share_prefix:
             lengths.extend(per_document)
         else:
-            first_row = {doc[0]: n for doc, n in zip(unpacked.documents(batch), per_document)}
+            first_row = {doc[0]: n for doc, n in zip(unpacked.documents(batch), per_document, strict=True)}
             lengths.extend(sum(first_row.get(r, 0) for r in group) for group in unpacked.example_groups(batch))
     return lengths

@@ -9,6 +9,7 @@ import trl
 
 from .attention import ATTN_IMPLEMENTATIONS
 
+
 _SHARING_DOC = """
     > Parameters that control prefix sharing
 
@@ -62,6 +63,7 @@ class PrefixSharingArguments:
             "choices": list(ATTN_IMPLEMENTATIONS),
         },
     )
+
     def _check_prefix_sharing_arguments(self) -> None:
         if self.prefix_sharing_attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(
@@ -93,8 +95,8 @@ class PackingArguments(PrefixSharingArguments):
         super()._check_prefix_sharing_arguments()
         if (self.prefix_sharing or self.packing) and getattr(self, "padding_free", False):
             raise ValueError(
-                "`prefix_sharing`/`packing` cannot be combined with `padding_free=True`: both rewrite the batch layout, "
-                "and TRL 1.16 has padding-free DPO disabled anyway. Set `padding_free=False`."
+                "`prefix_sharing`/`packing` cannot be combined with `padding_free=True`: both rewrite the batch "
+                "layout, and TRL 1.16 has padding-free DPO disabled anyway. Set `padding_free=False`."
             )
         if self.packing_length is not None and self.packing_length <= 0:
             raise ValueError(f"`packing_length` must be positive, got {self.packing_length}.")

@@ -12,6 +12,7 @@ import contextlib
 
 import torch
 
+
 __all__ = ["variable_size_gathers", "gather_variable"]
 
 

@@ -12,6 +12,7 @@ from .preference import PreferenceSharingMixin
 from .trl_internals import check_trl_internals
 from .validation import check_dataset_columns
 
+
 __all__ = ["DPOTrainer", "DPO_COLUMNS"]
 
 check_trl_internals("dpo", "packing")
@@ -45,8 +46,12 @@ class DPOTrainer(PreferenceSharingMixin, trl.DPOTrainer):
 
     _config_class = DPOConfig
     _supports_vision = True  # TRL's vision collator: images laid out by `trl_prefix_sharing.vision`
-    _token_weighted_metrics = {"entropy": "all", "logits/chosen": "chosen", "logits/rejected": "rejected",
-                               "mean_token_accuracy": "chosen"}
+    _token_weighted_metrics = {
+        "entropy": "all",
+        "logits/chosen": "chosen",
+        "logits/rejected": "rejected",
+        "mean_token_accuracy": "chosen",
+    }
 
     def __init__(
         self,
@@ -86,9 +91,10 @@ class DPOTrainer(PreferenceSharingMixin, trl.DPOTrainer):
         batch_level = sorted(set(self.loss_types) & BATCH_LEVEL_LOSS_TYPES)
         if self.packing and batch_level:
             logger.warning(
-                f"Loss types {batch_level} look at the whole batch (a rank over the batch, or a mean over its tokens): "
-                "with packing, their batch is the packed micro-batch, whose number of pairs varies, so they differ from "
-                "a stock run with a fixed batch size. The per-pair loss types are exact; or train with packing=False."
+                f"Loss types {batch_level} look at the whole batch (a rank over the batch, or a mean over its "
+                "tokens): with packing, their batch is the packed micro-batch, whose number of pairs varies, so they "
+                "differ from a stock run with a fixed batch size. The per-pair loss types are exact; or train with "
+                "packing=False."
             )
 
     def _precompute_ref_logps(self, dataset, name, batch_size):

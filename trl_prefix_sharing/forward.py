@@ -22,6 +22,7 @@ import torch
 from .layout import gather_to_stock, shared_labels
 from .vision import substitute as substitute_vision_inputs
 
+
 __all__ = ["install_prefix_sharing_forward", "remove_prefix_sharing_forward", "unwrap_model", "check_layout_matches"]
 
 _ORIGINAL = "_prefix_sharing_original_forward"
@@ -120,8 +121,10 @@ def _capture_router_logits(backbone, captured: list) -> list:
     def capture(module, args, kwargs, output):
         captured.append(output.router_logits)
 
-    return [backbone.register_forward_pre_hook(request, with_kwargs=True),
-            backbone.register_forward_hook(capture, with_kwargs=True)]
+    return [
+        backbone.register_forward_pre_hook(request, with_kwargs=True),
+        backbone.register_forward_hook(capture, with_kwargs=True),
+    ]
 
 
 def _stock_aux_loss(router_logits, layout: dict, stock_attention_mask, text_config):
@@ -133,8 +136,9 @@ def _stock_aux_loss(router_logits, layout: dict, stock_attention_mask, text_conf
         raise ValueError("The router's auxiliary loss under prefix sharing needs the stock `attention_mask`.")
     index = layout["stock_index"].reshape(-1).clamp(min=0)  # padding: any row, the stock mask drops it
     gathered = tuple(layer.reshape(-1, layer.shape[-1])[index] for layer in router_logits)
-    return load_balancing_loss_func(gathered, text_config.num_experts, text_config.num_experts_per_tok,
-                                    stock_attention_mask)
+    return load_balancing_loss_func(
+        gathered, text_config.num_experts, text_config.num_experts_per_tok, stock_attention_mask
+    )
 
 
 def _shared_classification_forward(model, kwargs: dict, layout: dict):
@@ -154,7 +158,10 @@ def _shared_classification_forward(model, kwargs: dict, layout: dict):
     if mask is None:
         raise RuntimeError("The prefix-sharing attention mask was not built for this batch; call through the trainer.")
     hidden = getattr(model, model.base_model_prefix)(
-        input_ids=layout["input_ids"], attention_mask=mask, position_ids=layout["position_ids"], use_cache=False,
+        input_ids=layout["input_ids"],
+        attention_mask=mask,
+        position_ids=layout["position_ids"],
+        use_cache=False,
         **kwargs,
     ).last_hidden_state
     pad_token_id = model.config.get_text_config().pad_token_id

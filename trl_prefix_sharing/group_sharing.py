@@ -28,6 +28,7 @@ from .sharing import PrefixSharingMixin
 from .trl_internals import replaced_function
 from .vision import vision_inputs_in
 
+
 __all__ = ["GroupSharingTrainerMixin", "shuffle_keeping_groups"]
 
 logger = logging.get_logger(__name__)
@@ -58,16 +59,17 @@ def shuffle_keeping_groups(batch: dict, group_key: str = "prompt_ids", mask_key:
 
 
 class _SharedRowsModel:
-    """What TRL's chunk loop calls as `model(**inputs, labels=..., fused_lm_head=True)`: the model, on the prefix-shared
-    layout of the chunk's rows (laid out here, with its mask, once per chunk)."""
+    """What TRL's chunk loop calls as `model(**inputs, labels=..., fused_lm_head=True)`: the model, on the
+    prefix-shared layout of the chunk's rows (laid out here, with its mask, once per chunk)."""
 
     def __init__(self, trainer, model, logits_to_keep: int):
         self.trainer, self.model, self.logits_to_keep = trainer, model, logits_to_keep
 
     def __call__(self, **kwargs):
         input_ids, attention_mask = kwargs["input_ids"], kwargs["attention_mask"]
-        layout = self.trainer.sharing.generated_layout(input_ids, attention_mask,
-                                                       input_ids.shape[1] - self.logits_to_keep)
+        layout = self.trainer.sharing.generated_layout(
+            input_ids, attention_mask, input_ids.shape[1] - self.logits_to_keep
+        )
         if torch.is_grad_enabled():
             self.trainer._count_positions(attention_mask, layout)
         return self.model(**kwargs, prefix_sharing=layout)
@@ -76,8 +78,17 @@ class _SharedRowsModel:
 class GroupSharingTrainerMixin(PrefixSharingMixin):
     """Placed before TRL's `GRPOTrainer` or `RLOOTrainer`; see the module docstring."""
 
-    def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, *more, **kwargs):
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        *more,
+        **kwargs,
+    ):
         """Exactly the arguments of TRL's trainer."""
         self._init_prefix_sharing(model, args, processing_class, kwargs.get("peft_config"))
         self._shared_positions = 0
@@ -95,11 +106,14 @@ class GroupSharingTrainerMixin(PrefixSharingMixin):
         if self.prefix_sharing:
             images = vision_inputs_in(kwargs)
             if images:
-                raise ValueError(f"Prefix sharing for {type(self).__name__} is text-only; this batch has {images}. "
-                                 "Train vision prompts with `prefix_sharing=False`.")
+                raise ValueError(
+                    f"Prefix sharing for {type(self).__name__} is text-only; this batch has {images}. "
+                    "Train vision prompts with `prefix_sharing=False`."
+                )
             model = _SharedRowsModel(self, model, logits_to_keep)
-        return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args,
-                                                          **kwargs)
+        return super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+        )
 
     def _prepare_inputs(self, generation_batch):
         if not (self.prefix_sharing and self.model.training):

@@ -9,9 +9,10 @@ rows of one example (two for DPO and pairwise reward models, K for ranked data) 
 
 The shared prefix is the longest common prefix of the rows, compared on (token, completion-mask) pairs, so it is
 exact whatever the truncation did. A row identical to an earlier row of its group is not repeated: it reads the same
-positions, so identical completions get bitwise identical results, as in the stock rows. Its last token starts every branch (same token, same position, same visible keys,
-so the same hidden state): that copy scores the first token of each completion, as the last prompt token does in the
-stock rows. Rows with nothing in common still work (an empty prefix: K separate sequences in one document).
+positions, so identical completions get bitwise identical results, as in the stock rows. Its last token starts every
+branch (same token, same position, same visible keys, so the same hidden state): that copy scores the first token of
+each completion, as the last prompt token does in the stock rows. Rows with nothing in common still work (an empty
+prefix: K separate sequences in one document).
 
 The layout is built from the *stock collator's own tensors*, so the tokens scored are exactly the ones stock TRL
 scores. ``stock_index`` maps every stock position to its place in the shared rows; everything computed on the shared
@@ -27,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
 
 __all__ = [
     "build_shared_batch",
@@ -99,8 +101,9 @@ def build_shared_batch(
         keyed = []  # (token, position[, completion mask]) of each row's tokens: equal keys mean equal hidden states
         for r in group:
             columns = range(starts[r], starts[r] + lengths[r])
-            keyed.append([(ids_list[r][c], c, cm_list[r][c]) if cm_list is not None else (ids_list[r][c], c)
-                          for c in columns])
+            keyed.append(
+                [(ids_list[r][c], c, cm_list[r][c]) if cm_list is not None else (ids_list[r][c], c) for c in columns]
+            )
         m = common_prefix_length(keyed)
         s = max(m - 1, 0)  # the last common token heads every branch
         first, start0 = ids_list[group[0]], starts[group[0]]
@@ -110,7 +113,7 @@ def build_shared_batch(
         visible = [True] * s
         offsets = {}
         branch = 0
-        for key, r in zip(keyed, group):
+        for key, r in zip(keyed, group, strict=True):
             twin = next((group[j] for j in range(len(offsets)) if keyed[j] == key), None)
             if twin is not None:  # identical to an earlier row: the same positions (bitwise equal, as in stock)
                 offsets[r] = offsets[twin]
@@ -185,8 +188,10 @@ def _token_runs(attention_mask: torch.Tensor) -> tuple[list[int], list[int]]:
     columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     one_run = (columns >= starts[:, None]) & (columns < (starts + lengths)[:, None])
     if not torch.equal(attention_mask.bool(), one_run):
-        raise ValueError("Prefix sharing needs each stock row's tokens in one run (padding only before or after them), "
-                         "as TRL's collators and generation build them; this attention_mask has holes.")
+        raise ValueError(
+            "Prefix sharing needs each stock row's tokens in one run (padding only before or after them), "
+            "as TRL's collators and generation build them; this attention_mask has holes."
+        )
     return lengths.tolist(), starts.tolist()
 
 
@@ -204,17 +209,29 @@ def groups_by_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, pref
     return list(groups.values())
 
 
-def shared_group_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, pad_token_id: int,
-                        pad_to_multiple_of: int | None = None, score_padding: bool = False) -> dict[str, torch.Tensor]:
+def shared_group_layout(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_length: int,
+    pad_token_id: int,
+    pad_to_multiple_of: int | None = None,
+    score_padding: bool = False,
+) -> dict[str, torch.Tensor]:
     """The shared layout of generated rows ``[prompt (prompt_length columns) | completion]`` (GRPO, RLOO, online DPO):
     one document per group of rows with equal prompt columns, on the rows' device (``score_padding``: see
     `build_shared_batch`)."""
     groups = groups_by_prefix(input_ids, attention_mask, prompt_length)
     completion_mask = attention_mask.clone()
     completion_mask[:, :prompt_length] = 0  # a shared prefix never mixes prompt and completion tokens
-    layout = build_shared_batch(input_ids, attention_mask, groups, completion_mask=completion_mask,
-                                pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of,
-                                score_padding=score_padding)
+    layout = build_shared_batch(
+        input_ids,
+        attention_mask,
+        groups,
+        completion_mask=completion_mask,
+        pad_token_id=pad_token_id,
+        pad_to_multiple_of=pad_to_multiple_of,
+        score_padding=score_padding,
+    )
     return {name: tensor.to(input_ids.device) for name, tensor in layout.items()}
 
 

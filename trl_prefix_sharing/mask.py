@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import and_masks
 
+
 __all__ = [
     "causal",
     "same_document",
@@ -77,7 +78,8 @@ def sliding_window(position_ids: torch.Tensor, window: int | torch.Tensor):
 
 
 def visible_key(key_visible: torch.Tensor):
-    """Keys marked invisible are seen by no query: stock's padding, whose queries are scored but whose keys are masked."""
+    """Keys marked invisible are seen by no query: stock's padding, whose queries are scored but whose keys are
+    masked."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         return key_visible[b, kv_idx]
@@ -85,8 +87,13 @@ def visible_key(key_visible: torch.Tensor):
     return mask_mod
 
 
-def dpo_mask(document_ids: torch.Tensor, branch_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-             window: int | torch.Tensor | None = None, key_visible: torch.Tensor | None = None):
+def dpo_mask(
+    document_ids: torch.Tensor,
+    branch_ids: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    window: int | torch.Tensor | None = None,
+    key_visible: torch.Tensor | None = None,
+):
     """The prefix-sharing ``mask_mod``: causal, same document, prefix or own branch (and an optional sliding window,
     and invisible padding keys where the layout scores stock's padding).
 
@@ -120,7 +127,8 @@ _compiled_create_block_mask = None
 
 def block_mask(mask_mod, batch_size: int, q_len: int, kv_len: int, device, compile: bool | None = None):
     """The FlexAttention ``BlockMask`` of a ``mask_mod``. ``compile`` (default: on CUDA) uses a compiled
-    ``create_block_mask``, which does not materialise the dense mask; uncompiled it does (fine for small CPU checks)."""
+    ``create_block_mask``, which does not materialise the dense mask; uncompiled it does (fine for small CPU
+    checks)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     global _compiled_create_block_mask

@@ -22,6 +22,7 @@ from .config import _SHARING_DOC, PrefixSharingArguments
 from .sharing import PrefixSharingMixin
 from .trl_internals import check_trl_internals
 
+
 __all__ = ["OnlineDPOConfig", "OnlineDPOTrainer"]
 
 check_trl_internals("online_dpo")
@@ -60,20 +61,28 @@ class OnlineDPOTrainer(PrefixSharingMixin, _TRLOnlineDPOTrainer):
         if not self.prefix_sharing:
             return super()._forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs)
         if vision_inputs is not None:
-            raise ValueError("Prefix sharing for online DPO is text-only; train vision prompts with "
-                             "`prefix_sharing=False`.")
+            raise ValueError(
+                "Prefix sharing for online DPO is text-only; train vision prompts with `prefix_sharing=False`."
+            )
         # TRL's left truncation to `max_length`
         truncate = max(prompt_ids.size(1) + completion_ids.size(1) - self.max_length, 0)
         prompt_ids, prompt_mask = prompt_ids[:, truncate:], prompt_mask[:, truncate:]
         prompt_length = prompt_ids.size(1)
         if prompt_length == 0:
-            raise ValueError(f"`max_length` ({self.max_length}) leaves no prompt before completions of "
-                             f"{completion_ids.size(1)} tokens; raise `max_length` above `max_new_tokens`.")
+            raise ValueError(
+                f"`max_length` ({self.max_length}) leaves no prompt before completions of "
+                f"{completion_ids.size(1)} tokens; raise `max_length` above `max_new_tokens`."
+            )
         input_ids = torch.cat((prompt_ids, completion_ids), dim=1)
         attention_mask = torch.cat((prompt_mask, completion_mask), dim=1)
         layout = self.sharing.generated_layout(input_ids, attention_mask, prompt_length, score_padding=True)
         labels = input_ids.clone()
         labels[:, :prompt_length] = -100  # every completion column, padding included, as stock scores them
-        outputs = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True,
-                        prefix_sharing=layout)
+        outputs = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            labels=labels,
+            fused_lm_head=True,
+            prefix_sharing=layout,
+        )
         return outputs.log_probs[:, prompt_length - 1 :]

@@ -29,6 +29,7 @@ from .collator import unit_lengths
 from .distributed import gather_variable, variable_size_gathers
 from .sampler import MultipackSampler
 
+
 __all__ = ["PackingMixin", "TrainerMultipackSampler"]
 
 logger = logging.get_logger(__name__)
@@ -176,7 +177,9 @@ class PackingMixin:
 
     def _base_compute_loss(self, model, inputs, return_outputs, num_items_in_batch):
         """The loss the subclass's TRL trainer computes (overridable, e.g. for ranked reward batches)."""
-        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        return super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
 
     # ----------------------------------------------------------------------------------------------- metrics
     def _record_metric_weights(self, mode, inputs, pairs, before) -> None:
@@ -204,7 +207,7 @@ class PackingMixin:
                 values = self._metrics[mode].get(key, [])
                 if values and len(values) == len(weights):
                     total = sum(weights)
-                    mean = sum(v * w for v, w in zip(values, weights)) / total if total else 0.0
+                    mean = sum(v * w for v, w in zip(values, weights, strict=True)) / total if total else 0.0
                     self._metrics[mode][key] = [mean]
             self._metric_weights[mode] = {}
         return super().log(logs, start_time)
@@ -213,8 +216,9 @@ class PackingMixin:
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         if self.packing and loss is not None:
-            # `evaluation_loop` weighs every batch by the fixed `eval_batch_size`; a packed batch holds a variable number
-            # of pairs, so repeat its mean once per pair: `eval_loss` is then the per-pair mean over the dataset.
+            # `evaluation_loop` weighs every batch by the fixed `eval_batch_size`; a packed batch holds a variable
+            # number of pairs, so repeat its mean once per pair: `eval_loss` is then the per-pair mean over the
+            # dataset.
             loss = loss.reshape(1).repeat(self._pairs_in(inputs))
         return loss, logits, labels
 
@@ -237,11 +241,15 @@ class PackingMixin:
         if self.packing and not self._packing_logged and self.args.should_log:
             if isinstance(self.train_dataset, Dataset):
                 sampler = self._multipack_sampler(self.train_dataset, shuffle=True)
-                logger.warning(f"Packing: rows of {self.data_collator.packing_length} tokens, {len(sampler)} per epoch "
-                               f"on this rank, {100 * sampler.efficiency():.1f}% of their tokens used.")
+                logger.warning(
+                    f"Packing: rows of {self.data_collator.packing_length} tokens, {len(sampler)} per epoch "
+                    f"on this rank, {100 * sampler.efficiency():.1f}% of their tokens used."
+                )
             else:
-                logger.warning(f"Packing a streamed dataset: each batch of {self.args.per_device_train_batch_size} "
-                               "examples as it arrives (no lengths to read ahead, so no multipack sampler), in rows of "
-                               f"at most {self.data_collator.packing_length} tokens.")
+                logger.warning(
+                    f"Packing a streamed dataset: each batch of {self.args.per_device_train_batch_size} "
+                    "examples as it arrives (no lengths to read ahead, so no multipack sampler), in rows of "
+                    f"at most {self.data_collator.packing_length} tokens."
+                )
         self._packing_logged = True
         return super().train(*args, **kwargs)

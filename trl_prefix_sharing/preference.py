@@ -15,6 +15,7 @@ from .packing import PackingMixin
 from .sharing import PrefixSharingMixin
 from .stats import sharing_stats
 
+
 __all__ = ["PreferenceSharingMixin"]
 
 logger = logging.get_logger(__name__)
@@ -34,7 +35,9 @@ class PreferenceSharingMixin(PackingMixin, PrefixSharingMixin):
                 shared = (layout["document_ids"] >= 0).sum()
                 self._total_shared_tokens += int(self.accelerator.gather_for_metrics(shared).sum().item())
                 self._metrics["train"]["num_shared_tokens"] = [self._total_shared_tokens]
-        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        return super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
 
     def _init_prefix_sharing(self, model, args, processing_class, peft_config=None) -> None:
         super()._init_prefix_sharing(model, args, processing_class, peft_config)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from trl.data_utils import _tokenize, is_conversational
 
+
 __all__ = ["is_ranked_dataset", "tokenize_ranked", "RankedCollator", "ranked_pairs", "expand_ranked_to_pairs"]
 
 

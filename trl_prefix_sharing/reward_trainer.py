@@ -12,14 +12,20 @@ from .ranked import RankedCollator, is_ranked_dataset, ranked_loss, ranked_pairs
 from .trl_internals import check_trl_internals
 from .validation import check_dataset_columns
 
+
 __all__ = ["RewardTrainer", "REWARD_COLUMNS"]
 
 check_trl_internals("reward", "packing")
 
 #: (accepted column sets, what a dataset needs): checked before TRL's preprocessing
 REWARD_COLUMNS = (
-    ({"chosen", "rejected"}, {"chosen_ids", "rejected_ids"}, {"chosen_input_ids", "rejected_input_ids"},
-     {"completions"}, {"completion_ids"}),
+    (
+        {"chosen", "rejected"},
+        {"chosen_ids", "rejected_ids"},
+        {"chosen_input_ids", "rejected_input_ids"},
+        {"completions"},
+        {"completion_ids"},
+    ),
     "a reward dataset needs 'chosen' and 'rejected' (optionally 'prompt' and 'margin'), or pre-tokenized "
     "'chosen_ids' and 'rejected_ids' (or TRL's older names 'chosen_input_ids' and 'rejected_input_ids'), or a ranked "
     "list 'completions' (best first).",
@@ -29,9 +35,9 @@ REWARD_COLUMNS = (
 class RewardTrainer(PreferenceSharingMixin, trl.RewardTrainer):
     """TRL's [`trl.RewardTrainer`], computing each prompt once when `args.prefix_sharing=True`.
 
-    Takes exactly the arguments of [`trl.RewardTrainer`]. The shared prefix of a pair is the longest common token prefix
-    of its `chosen_ids` and `rejected_ids`; each completion's reward is read where stock transformers reads it (the
-    score head at the rightmost non-pad token of its stock row), so rewards, the loss (with `margin` and
+    Takes exactly the arguments of [`trl.RewardTrainer`]. The shared prefix of a pair is the longest common token
+    prefix of its `chosen_ids` and `rejected_ids`; each completion's reward is read where stock transformers reads it
+    (the score head at the rightmost non-pad token of its stock row), so rewards, the loss (with `margin` and
     `center_rewards_coefficient`), gradients and metrics equal stock TRL's.
 
     Beyond TRL: a ranked dataset (`prompt` + `completions`, best first, K >= 2 each; see
@@ -61,8 +67,10 @@ class RewardTrainer(PreferenceSharingMixin, trl.RewardTrainer):
         self._ranked = train_dataset is not None and is_ranked_dataset(get_dataset_column_names(train_dataset))
         evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]
         for name, dataset in evals:
-            if dataset is not None and train_dataset is not None and (
-                is_ranked_dataset(get_dataset_column_names(dataset)) != self._ranked
+            if (
+                dataset is not None
+                and train_dataset is not None
+                and (is_ranked_dataset(get_dataset_column_names(dataset)) != self._ranked)
             ):
                 raise ValueError(
                     f"The train dataset is {'ranked' if self._ranked else 'pairwise'} and the {name} dataset is not: "
@@ -74,8 +82,9 @@ class RewardTrainer(PreferenceSharingMixin, trl.RewardTrainer):
             check_dataset_columns(eval_dataset, "eval", *REWARD_COLUMNS)
         if self._ranked and data_collator is None and processing_class is not None:
             pad = processing_class.pad_token or processing_class.eos_token
-            data_collator = RankedCollator(processing_class.convert_tokens_to_ids(pad),
-                                           getattr(args, "pad_to_multiple_of", None))
+            data_collator = RankedCollator(
+                processing_class.convert_tokens_to_ids(pad), getattr(args, "pad_to_multiple_of", None)
+            )
         super().__init__(
             model=model,
             args=args,
@@ -98,8 +107,11 @@ class RewardTrainer(PreferenceSharingMixin, trl.RewardTrainer):
         if not is_ranked_dataset(get_dataset_column_names(dataset)):
             return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
         if "completion_ids" not in get_dataset_column_names(dataset):
-            dataset = dataset.map(tokenize_ranked, fn_kwargs={"processing_class": processing_class},
-                                  desc=f"Tokenizing ranked {dataset_name} dataset")
+            dataset = dataset.map(
+                tokenize_ranked,
+                fn_kwargs={"processing_class": processing_class},
+                desc=f"Tokenizing ranked {dataset_name} dataset",
+            )
         if args.max_length is not None:  # like TRL: examples with a sequence over max_length are dropped (whole)
             dataset = dataset.filter(lambda ex: all(len(ids) <= args.max_length for ids in ex["completion_ids"]))
         return dataset

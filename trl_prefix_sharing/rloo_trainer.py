@@ -9,6 +9,7 @@ from .config import RLOOConfig
 from .group_sharing import GroupSharingTrainerMixin
 from .trl_internals import check_trl_internals
 
+
 __all__ = ["RLOOTrainer"]
 
 check_trl_internals("rloo")

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 from torch.utils.data import Sampler
 
+
 __all__ = ["MultipackSampler", "first_fit_decreasing"]
 
 
@@ -79,8 +80,16 @@ class MultipackSampler(Sampler[list[int]]):
         shuffle: shuffle bin order and ties (False: deterministic by length, for evaluation).
     """
 
-    def __init__(self, lengths: Sequence[int], max_tokens: int, num_replicas: int = 1, rank: int = 0, seed: int = 0,
-                 drop_last: bool = False, shuffle: bool = True):
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        max_tokens: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        seed: int = 0,
+        drop_last: bool = False,
+        shuffle: bool = True,
+    ):
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}.")
         if num_replicas < 1 or not 0 <= rank < num_replicas:

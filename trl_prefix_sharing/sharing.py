@@ -29,6 +29,7 @@ from .forward import install_prefix_sharing_forward, remove_prefix_sharing_forwa
 from .layout import shared_group_layout
 from .vision import check_supported_vision_model, has_vision_inputs, is_vision_config, shared_vision_inputs
 
+
 __all__ = ["PrefixSharing", "PrefixSharingMixin", "pad_token_id"]
 
 #: the attribute of a model that keeps its forward from before TRL's fused log-prob head was added here
@@ -42,8 +43,9 @@ def pad_token_id(processing_class) -> int:
     return pad if pad is not None else 0
 
 
-def check_model_and_processor(trainer_name: str, model, processing_class, peft_config, trust_remote_code: bool,
-                              supports_vision: bool) -> None:
+def check_model_and_processor(
+    trainer_name: str, model, processing_class, peft_config, trust_remote_code: bool, supports_vision: bool
+) -> None:
     """The checks before TRL builds anything: processor, PEFT kind and architecture (a clear error, never a silently
     wrong number)."""
     from transformers import ProcessorMixin
@@ -72,8 +74,10 @@ def check_architecture(config, trainer_name: str, supports_vision: bool) -> None
     """The architecture check: vision-language models (`vision.py`) or text models (`architectures.py`)."""
     if is_vision_config(config):
         if not supports_vision:
-            raise ValueError(f"{trainer_name} with prefix sharing does not support vision-language models "
-                             f"('{config.model_type}'). Train it with `prefix_sharing=False`.")
+            raise ValueError(
+                f"{trainer_name} with prefix sharing does not support vision-language models "
+                f"('{config.model_type}'). Train it with `prefix_sharing=False`."
+            )
         check_supported_vision_model(config)
     else:
         check_supported_model(config)
@@ -95,8 +99,17 @@ class PrefixSharing:
             stock, such as online DPO): the shared rows are then scored without logits over the prompt.
     """
 
-    def __init__(self, models, processing_class, attn_implementation: str, device, pad_to_multiple_of=None,
-                 trainer_name: str = "This trainer", supports_vision: bool = False, fuse_lm_head: bool = False):
+    def __init__(
+        self,
+        models,
+        processing_class,
+        attn_implementation: str,
+        device,
+        pad_to_multiple_of=None,
+        trainer_name: str = "This trainer",
+        supports_vision: bool = False,
+        fuse_lm_head: bool = False,
+    ):
         if getattr(getattr(models[0], "active_peft_config", None), "is_prompt_learning", False):
             raise ValueError("Prefix sharing does not support prompt-learning PEFT adapters.")
         for model in models:
@@ -145,8 +158,12 @@ class PrefixSharing:
         """The stock collator, wrapped to add the shared layout of each batch (rows rounded as this trainer needs)."""
         if isinstance(base_collator, PrefixSharingCollator):
             return base_collator
-        return PrefixSharingCollator(base_collator, pad_token_id=self.pad_token_id,
-                                     pad_to_multiple_of=self.row_multiple, share_prefix=share_prefix)
+        return PrefixSharingCollator(
+            base_collator,
+            pad_token_id=self.pad_token_id,
+            pad_to_multiple_of=self.row_multiple,
+            share_prefix=share_prefix,
+        )
 
     def prepare(self, inputs: Mapping) -> dict:
         """Complete the layout a collated batch carries (``inputs["prefix_sharing"]``) for the forward: its mask, and
@@ -161,12 +178,14 @@ class PrefixSharing:
             layout["vision"] = shared_vision_inputs(self.models[0], inputs, layout)
         return layout
 
-    def generated_layout(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
-                         score_padding: bool = False) -> dict:
+    def generated_layout(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, score_padding: bool = False
+    ) -> dict:
         """The layout, with its mask, of generated rows ``[left-padded prompt | completion]``: one document per group
         of rows with equal prompt columns (``score_padding``: see `build_shared_batch`)."""
-        layout = shared_group_layout(input_ids, attention_mask, prompt_length, self.pad_token_id, self.row_multiple,
-                                     score_padding=score_padding)
+        layout = shared_group_layout(
+            input_ids, attention_mask, prompt_length, self.pad_token_id, self.row_multiple, score_padding=score_padding
+        )
         layout["attention_mask"] = build_attention_mask(layout, self.attn_implementation, self.models[0].config)
         return layout
 
@@ -191,10 +210,17 @@ class PrefixSharingMixin:
         self._init_packing(args)
         if self._uses_layout:
             if not isinstance(args, self._config_class):
-                raise TypeError(f"`prefix_sharing`/`packing` need `trl_prefix_sharing.{self._config_class.__name__}` "
-                                "as `args`.")
-            check_model_and_processor(type(self).__name__, model, processing_class, peft_config,
-                                      getattr(args, "trust_remote_code", False), self._supports_vision)
+                raise TypeError(
+                    f"`prefix_sharing`/`packing` need `trl_prefix_sharing.{self._config_class.__name__}` as `args`."
+                )
+            check_model_and_processor(
+                type(self).__name__,
+                model,
+                processing_class,
+                peft_config,
+                getattr(args, "trust_remote_code", False),
+                self._supports_vision,
+            )
 
     def _init_packing(self, args) -> None:
         """Packing's options (see `PackingMixin`); trainers without packing have none."""

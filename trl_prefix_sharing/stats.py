@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+
 __all__ = ["SharingStats", "sharing_stats"]
 
 
@@ -28,14 +29,18 @@ class SharingStats:
         return 1.0 - self.shared_tokens / max(self.stock_tokens, 1)
 
     def summary(self) -> str:
-        sampled = "" if self.examples == self.total_examples else f" (first {self.examples:,} of {self.total_examples:,})"
+        sampled = (
+            "" if self.examples == self.total_examples else f" (first {self.examples:,} of {self.total_examples:,})"
+        )
         text = (
-            f"Prefix sharing on {self.examples:,} examples{sampled}: {self.stock_per_example:.1f} positions per example "
-            f"in stock TRL, {self.shared_per_example:.1f} shared ({100 * self.saved_fraction:.1f}% fewer, "
+            f"Prefix sharing on {self.examples:,} examples{sampled}: {self.stock_per_example:.1f} positions per "
+            f"example in stock TRL, {self.shared_per_example:.1f} shared ({100 * self.saved_fraction:.1f}% fewer, "
             f"{self.stock_tokens / max(self.shared_tokens, 1):.2f}x fewer token positions)."
         )
         if self.no_shared_prefix:
-            text += f" {self.no_shared_prefix:,} examples share no prefix (empty or truncated prompt) and gain nothing."
+            text += (
+                f" {self.no_shared_prefix:,} examples share no prefix (empty or truncated prompt) and gain nothing."
+            )
         return text
 
 
@@ -51,5 +56,6 @@ def sharing_stats(dataset, collator, max_examples: int = 10_000, chunk_size: int
         stock += int(batch["attention_mask"].sum())
         shared += int((layout["document_ids"] >= 0).sum())
         unshared += int((layout["branch_ids"] == 0).logical_and(layout["document_ids"] >= 0).sum(dim=1).eq(0).sum())
-    return SharingStats(examples=n, stock_tokens=stock, shared_tokens=shared, no_shared_prefix=unshared,
-                        total_examples=total)
+    return SharingStats(
+        examples=n, stock_tokens=stock, shared_tokens=shared, no_shared_prefix=unshared, total_examples=total
+    )

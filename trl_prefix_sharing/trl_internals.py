@@ -18,6 +18,7 @@ import inspect
 import re
 from dataclasses import dataclass
 
+
 __all__ = ["SUPPORTED_TRL", "Internal", "INTERNALS", "check_trl_internals", "replaced_function"]
 
 #: the TRL versions this package is measured with (also the `trl` requirement in pyproject.toml)
@@ -58,8 +59,9 @@ INTERNALS: dict[str, tuple[Internal, ...]] = {
         Internal(_DPO, "_metrics", "write", attribute=True),
     ),
     "reward": (
-        Internal(_REWARD, "_prepare_dataset", "override", ("self", "dataset", "processing_class", "args",
-                                                           "dataset_name")),
+        Internal(
+            _REWARD, "_prepare_dataset", "override", ("self", "dataset", "processing_class", "args", "dataset_name")
+        ),
         Internal(_REWARD, "_metrics", "write", attribute=True),
         Internal(_REWARD, "_total_train_tokens", "write", attribute=True),
         Internal(_REWARD, "_tp_size", "read", attribute=True),
@@ -88,8 +90,12 @@ INTERNALS: dict[str, tuple[Internal, ...]] = {
         Internal(_RLOO, "_metrics", "write", attribute=True),
     ),
     "online_dpo": (
-        Internal(_ONLINE_DPO, "_forward", "override", ("self", "model", "prompt_ids", "prompt_mask", "completion_ids",
-                                                       "completion_mask", "vision_inputs")),
+        Internal(
+            _ONLINE_DPO,
+            "_forward",
+            "override",
+            ("self", "model", "prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "vision_inputs"),
+        ),
         Internal(_ONLINE_DPO, "max_length", "read", attribute=True),
     ),
 }
@@ -123,8 +129,10 @@ def _problem(internal: Internal) -> str | None:
         except (TypeError, ValueError):
             return None  # not introspectable (a C function): nothing to compare
         if names[: len(internal.parameters)] != internal.parameters:
-            return (f"{internal.owner}.{internal.name} takes ({', '.join(names)}), not "
-                    f"({', '.join(internal.parameters)}, ...)")
+            return (
+                f"{internal.owner}.{internal.name} takes ({', '.join(names)}), not "
+                f"({', '.join(internal.parameters)}, ...)"
+            )
     return None
 
 
@@ -135,12 +143,17 @@ def check_trl_internals(*trainers: str) -> None:
     import transformers
     import trl
 
-    problems = [problem for key in ("common", *trainers) for internal in INTERNALS[key]
-                if (problem := _problem(internal)) is not None]
+    problems = [
+        problem
+        for key in ("common", *trainers)
+        for internal in INTERNALS[key]
+        if (problem := _problem(internal)) is not None
+    ]
     if problems:
         raise ImportError(
             f"trl_prefix_sharing supports trl{SUPPORTED_TRL} (installed: trl {trl.__version__}, transformers "
-            f"{transformers.__version__}); the TRL internals it builds on have changed:\n- " + "\n- ".join(problems)
+            f"{transformers.__version__}); the TRL internals it builds on have changed:\n- "
+            + "\n- ".join(problems)
             + f"\nInstall a supported TRL (`pip install 'trl{SUPPORTED_TRL}'`) or use TRL's trainers without prefix "
             "sharing."
         )

@@ -9,12 +9,19 @@ from datasets import Dataset, IterableDataset
 
 from .vision import VISION_MODEL_TYPES
 
+
 __all__ = ["check_dataset_columns", "validate_preference_rows"]
 
 _TEXT_FIELDS = ("prompt", "chosen", "rejected")
 #: columns of pre-tokenized data (TRL's reward trainer renames its older `*_input_ids` names itself)
-_PRE_TOKENIZED = {"prompt_ids", "chosen_ids", "rejected_ids", "chosen_input_ids", "rejected_input_ids",
-                  "completion_ids"}
+_PRE_TOKENIZED = {
+    "prompt_ids",
+    "chosen_ids",
+    "rejected_ids",
+    "chosen_input_ids",
+    "rejected_input_ids",
+    "completion_ids",
+}
 
 
 def _check_message(message, where: str) -> None:
@@ -25,8 +32,9 @@ def _check_message(message, where: str) -> None:
         raise ValueError(f"{where} is {message!r}; expected a dict with a 'role' (and 'content' or 'tool_calls').")
     content = message.get("content")
     if content is not None and not isinstance(content, (str, list)):
-        raise ValueError(f"{where} has content of type {type(content).__name__}; expected text, a list of content "
-                         "parts, or None.")
+        raise ValueError(
+            f"{where} has content of type {type(content).__name__}; expected text, a list of content parts, or None."
+        )
 
 
 def _check_text(value, where: str, allow_empty: bool) -> None:
@@ -47,16 +55,18 @@ def _check_same_format(row: dict, fields, where: str) -> None:
     """TRL concatenates prompt and completions: text with messages is a TypeError deep inside `datasets.map`."""
     kinds = {field: "messages" if isinstance(row[field], list) else "text" for field in fields}
     if len(set(kinds.values())) > 1:
-        raise ValueError(f"{where} mixes text and conversational fields ({kinds}); give them all as text or all as "
-                         "lists of messages.")
+        raise ValueError(
+            f"{where} mixes text and conversational fields ({kinds}); give them all as text or all as "
+            "lists of messages."
+        )
 
 
 def _rows(dataset, batch_size: int = 1024):
     """Rows as dicts, read a batch of columns at a time (much faster than row-by-row access)."""
     for batch in dataset.iter(batch_size=batch_size):
         columns = list(batch)
-        for values in zip(*(batch[c] for c in columns)):
-            yield dict(zip(columns, values))
+        for values in zip(*(batch[c] for c in columns), strict=True):
+            yield dict(zip(columns, values, strict=True))
 
 
 def validate_preference_rows(dataset, name: str) -> None:
@@ -77,8 +87,10 @@ def validate_preference_rows(dataset, name: str) -> None:
         if "completions" in columns:
             completions = row["completions"]
             if not isinstance(completions, list) or len(completions) < 2:
-                raise ValueError(f"{name} row {index}: 'completions' must list at least 2 completions (best first), "
-                                 f"got {completions!r}.")
+                raise ValueError(
+                    f"{name} row {index}: 'completions' must list at least 2 completions (best first), "
+                    f"got {completions!r}."
+                )
             for k, completion in enumerate(completions):
                 _check_text(completion, f"{name} row {index}, completion {k}", allow_empty=False)
         if "margin" in columns:
@@ -87,8 +99,9 @@ def validate_preference_rows(dataset, name: str) -> None:
                 raise ValueError(f"{name} row {index}: 'margin' is {margin!r}; it must be a finite number.")
 
 
-def check_dataset_columns(dataset, name: str, accepted: tuple[set[str], ...], describe: str,
-                          allow_images: bool = False) -> None:
+def check_dataset_columns(
+    dataset, name: str, accepted: tuple[set[str], ...], describe: str, allow_images: bool = False
+) -> None:
     """Clear errors for vision datasets (unless `allow_images`) and missing columns, before TRL's preprocessing."""
     if dataset is None:
         return

@@ -10,9 +10,9 @@ Once per step (the policy and reference passes share it), :func:`shared_vision_i
 inputs into the shared rows' ones:
 
 - ``position_ids`` ``[3, N, S]``: the multimodal rotary positions (M-RoPE: temporal, height, width rows) that the
-  model itself computes for the *stock* rows (its own ``compute_3d_position_ids``, the call its forward makes), moved to
-  the shared positions through the layout's ``stock_index``; a shared position reached from several stock rows must get
-  the same value from each (checked).
+  model itself computes for the *stock* rows (its own ``compute_3d_position_ids``, the call its forward makes), moved
+  to the shared positions through the layout's ``stock_index``; a shared position reached from several stock rows must
+  get the same value from each (checked).
 - ``pixel_values`` and ``image_grid_thw``: the images in the order their placeholder tokens appear in the shared rows.
   Each stock image occupies a run of placeholder tokens (the model fills them in row-major order, so image k takes the
   k-th run of ``prod(grid_k) / merge**2`` tokens); the stock images whose runs land on the same shared positions are
@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from .architectures import window_layout
+
 
 __all__ = [
     "VISION_MODEL_TYPES",
@@ -48,8 +49,17 @@ VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 _VISION_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
 #: Inputs of vision-language models that are not laid out yet.
 _UNSUPPORTED_KEYS = (
-    "pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "token_type_ids", "image_sizes",
-    "pixel_attention_mask", "image_position_ids", "mm_encoder_outputs", "rope_deltas", "num_images", "spatial_shapes",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "second_per_grid_ts",
+    "token_type_ids",
+    "image_sizes",
+    "pixel_attention_mask",
+    "image_position_ids",
+    "mm_encoder_outputs",
+    "rope_deltas",
+    "num_images",
+    "spatial_shapes",
     "num_tiles",
 )
 #: Every model input that carries images or videos (what a text-only layout refuses).
@@ -115,8 +125,8 @@ def _stock_position_ids(base_model, inputs) -> torch.Tensor:
 
 
 def _to_shared(values: torch.Tensor, index: torch.Tensor, base: torch.Tensor, what: str) -> torch.Tensor:
-    """Scatter per-token ``values`` ``[..., R, L]`` of the stock rows to the shared rows (``base`` ``[..., N, S]`` fills
-    padding); every shared position must receive one value, whichever stock row it comes from."""
+    """Scatter per-token ``values`` ``[..., R, L]`` of the stock rows to the shared rows (``base`` ``[..., N, S]``
+    fills padding); every shared position must receive one value, whichever stock row it comes from."""
     real = index >= 0
     lead = values.shape[:-2]
     shared = base.clone().reshape(*lead, -1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 
+
 __all__ = ["main"]
 
 USAGE = """usage: trl-prefix-sharing {dpo,reward,grpo,rloo,online_dpo,stats} [args]

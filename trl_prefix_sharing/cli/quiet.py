@@ -3,12 +3,14 @@
 Importing TRL imports `transformers.trainer_utils`, which imports PEFT, which imports bitsandbytes, which logs "Failed
 to load CPU gemm_4bit_forward from kernels-community" on CPUs with AVX512-BF16 when the optional `kernels` package is
 missing; where DeepSpeed is installed, accelerate's checks import it and it logs "Setting accelerator to CPU" on a
-machine without a GPU. Neither matters to a command that quantizes nothing and runs no DeepSpeed (`stats`, and the demo in `scripts/demo.py`).
+machine without a GPU. Neither matters to a command that quantizes nothing and runs no DeepSpeed (`stats`, and the demo
+in `scripts/demo.py`).
 """
 
 from __future__ import annotations
 
 import logging
+
 
 __all__ = ["quiet_unused_backends"]
 

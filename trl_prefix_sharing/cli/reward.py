@@ -1,6 +1,8 @@
-"""Launched by `trl-prefix-sharing reward` through `accelerate launch` (also runnable as `python -m trl_prefix_sharing.cli.reward`)."""
+"""Launched by `trl-prefix-sharing reward` through `accelerate launch` (also runnable as `python -m
+trl_prefix_sharing.cli.reward`)."""
 
 from trl_prefix_sharing.cli.train import run_script
+
 
 if __name__ == "__main__":
     run_script("reward")

@@ -17,6 +17,7 @@ import os
 import tempfile
 from importlib import resources
 
+
 MEASURED_SPEEDUPS = "measured_speedups.json"
 
 
@@ -35,10 +36,12 @@ def expected_speedup_lines(kind: str, ratio: float, linear_ideal: float) -> list
             continue
         name, near = min(profiles.items(), key=lambda item: abs(math.log(item[1]["p_over_c"] / max(ratio, 1e-6))))
         share = near["share_of_ideal"]
-        lines.append(f"    {mode.upper()} ({record['device']}; {record['model']}): ~{linear_ideal * share:.2f}x "
-                     f"(ideal x {share:.2f}, the "
-                     f"share of ideal measured on the {name} profile, p/c {near['p_over_c']:.2f}: sharing "
-                     f"{near['sharing']:.2f}x, sharing+packing {near['sharing+packing']:.2f}x over stock)")
+        lines.append(
+            f"    {mode.upper()} ({record['device']}; {record['model']}): ~{linear_ideal * share:.2f}x "
+            f"(ideal x {share:.2f}, the "
+            f"share of ideal measured on the {name} profile, p/c {near['p_over_c']:.2f}: sharing "
+            f"{near['sharing']:.2f}x, sharing+packing {near['sharing+packing']:.2f}x over stock)"
+        )
     if not lines:
         lines.append("    no benchmark recorded for this trainer (run scripts/benchmark.py --record)")
     if "gpu" not in recorded:
@@ -62,9 +65,12 @@ def _attention_cost(prefix: int, branches: list[int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="trl-prefix-sharing stats", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dataset_name", required=True, help="hub id, or a local JSON/JSONL/Parquet file or directory")
+    parser = argparse.ArgumentParser(
+        prog="trl-prefix-sharing stats", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--dataset_name", required=True, help="hub id, or a local JSON/JSONL/Parquet file or directory"
+    )
     parser.add_argument("--dataset_config", default=None)
     parser.add_argument("--dataset_train_split", default="train")
     parser.add_argument("--model_name_or_path", required=True, help="where to load the tokenizer from")
@@ -98,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dataset_train_split not in dataset:
         raise SystemExit(f"Split {args.dataset_train_split!r} not in the dataset (splits: {list(dataset)}).")
     dataset = dataset[args.dataset_train_split]
-    check_dataset_columns(dataset, args.dataset_train_split, *(DPO_COLUMNS if args.trainer == "dpo" else REWARD_COLUMNS))
+    check_dataset_columns(
+        dataset, args.dataset_train_split, *(DPO_COLUMNS if args.trainer == "dpo" else REWARD_COLUMNS)
+    )
     if args.max_examples:
         dataset = dataset.select(range(min(args.max_examples, len(dataset))))
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
@@ -116,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
             preparer = object.__new__(trl.DPOTrainer)  # TRL's own preprocessing, without a model
             preparer._tokenizer = tokenizer
             dataset = preparer._prepare_dataset(dataset, tokenizer, config, "train")
-            base = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=max_length,
-                                             truncation_mode=args.truncation_mode)
+            base = DataCollatorForPreference(
+                pad_token_id=tokenizer.pad_token_id, max_length=max_length, truncation_mode=args.truncation_mode
+            )
         else:
             from trl.trainer.reward_trainer import DataCollatorForPreference
 
@@ -127,8 +136,11 @@ def main(argv: list[str] | None = None) -> int:
             config = RewardConfig(**common)
             ranked = is_ranked_dataset(dataset.column_names)
             dataset = object.__new__(RewardTrainer)._prepare_dataset(dataset, tokenizer, config, "train")
-            base = (RankedCollator(tokenizer.pad_token_id) if ranked
-                    else DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id))
+            base = (
+                RankedCollator(tokenizer.pad_token_id)
+                if ranked
+                else DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)
+            )
     collator = PrefixSharingCollator(base, pad_token_id=tokenizer.pad_token_id)
 
     prompt_lens, completion_lens, shared_units, unshared_units = [], [], [], []
@@ -145,11 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         prefix = ((layout["branch_ids"] == 0) & (layout["document_ids"] >= 0)).sum(dim=1).tolist()
         groups = collator.example_groups(batch)
         for first in range(0, len(groups), batch_size):  # consecutive examples stand in for a shuffled batch
-            rows = [r for group in groups[first:first + batch_size] for r in group]
+            rows = [r for group in groups[first : first + batch_size] for r in group]
             stock_padded += len(rows) * max(lengths[r] for r in rows)
-            docs = per_doc[first:first + batch_size]
+            docs = per_doc[first : first + batch_size]
             shared_padded += len(docs) * max(docs)
-        for group, doc_len, p in zip(groups, per_doc, prefix):
+        for group, doc_len, p in zip(groups, per_doc, prefix, strict=True):
             rows = [lengths[r] for r in group]
             shared_p = p + 1 if p else 0  # the prefix plus the copy of its last token heading each branch
             prompt_lens.append(shared_p)
@@ -177,14 +189,20 @@ def main(argv: list[str] | None = None) -> int:
     unshared_len, unshared_eff, unshared_packed = packing(unshared_units)
     median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
     ratio = median(prompt_lens) / max(median(completion_lens), 1)
-    print(f"Dataset {args.dataset_name} ({n:,} examples after TRL's preprocessing, {args.trainer}, "
-          f"max_length={max_length}, {args.truncation_mode})")
+    print(
+        f"Dataset {args.dataset_name} ({n:,} examples after TRL's preprocessing, {args.trainer}, "
+        f"max_length={max_length}, {args.truncation_mode})"
+    )
     print(f"  shared prefix (prompt) tokens:  {_percentiles(prompt_lens)}")
     print(f"  completion tokens:              {_percentiles(completion_lens)}")
-    print(f"  positions per example:          stock {stock_tokens / n:.1f}, shared {shared_tokens / n:.1f} "
-          f"(tokens, no padding)")
-    print(f"  {f'with padding, batches of {batch_size}:':<32}stock {stock_padded / n:.1f}, shared {shared_padded / n:.1f}; "
-          f"packed rows: unshared {unshared_packed:.1f}, shared {shared_packed:.1f}")
+    print(
+        f"  positions per example:          stock {stock_tokens / n:.1f}, shared {shared_tokens / n:.1f} "
+        f"(tokens, no padding)"
+    )
+    print(
+        f"  {f'with padding, batches of {batch_size}:':<32}stock {stock_padded / n:.1f}, "
+        f"shared {shared_padded / n:.1f}; packed rows: unshared {unshared_packed:.1f}, shared {shared_packed:.1f}"
+    )
     print(f"  examples with no shared prefix: {no_prefix:,}")
     print(f"  packing (rows of {shared_len} tokens, shared):   {100 * shared_eff:.1f}% of row tokens used")
     print(f"  packing (rows of {unshared_len} tokens, unshared): {100 * unshared_eff:.1f}% of row tokens used")

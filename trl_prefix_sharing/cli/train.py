@@ -1,10 +1,12 @@
-"""The training scripts behind `trl-prefix-sharing dpo|reward|grpo|rloo|online_dpo`: TRL's scripts with this package's trainers
-and configs, plus offline-friendly dataset loading (a local JSON/JSONL/Parquet file or directory) and early errors."""
+"""The training scripts behind `trl-prefix-sharing dpo|reward|grpo|rloo|online_dpo`: TRL's scripts with this package's
+trainers and configs, plus offline-friendly dataset loading (a local JSON/JSONL/Parquet file or directory) and early
+errors."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
 
 _LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -16,13 +18,16 @@ def make_parser(command: str, prog: str | None = None):
     from trl.scripts.rloo import RLOOScriptArguments
 
     from ..config import DPOConfig, GRPOConfig, RewardConfig, RLOOConfig
-
     from ..online_dpo_trainer import OnlineDPOConfig
 
-    script_args, config = {"dpo": (ScriptArguments, DPOConfig), "reward": (ScriptArguments, RewardConfig),
-                           "grpo": (GRPOScriptArguments, GRPOConfig), "rloo": (RLOOScriptArguments, RLOOConfig),
-                           # TRL ships no online DPO script: GRPO's script arguments name the reward the same way
-                           "online_dpo": (GRPOScriptArguments, OnlineDPOConfig)}[command]
+    script_args, config = {
+        "dpo": (ScriptArguments, DPOConfig),
+        "reward": (ScriptArguments, RewardConfig),
+        "grpo": (GRPOScriptArguments, GRPOConfig),
+        "rloo": (RLOOScriptArguments, RLOOConfig),
+        # TRL ships no online DPO script: GRPO's script arguments name the reward the same way
+        "online_dpo": (GRPOScriptArguments, OnlineDPOConfig),
+    }[command]
     return TrlParser((script_args, config, ModelConfig, DatasetMixtureConfig), prog=prog)
 
 
@@ -32,7 +37,12 @@ def load_reward_funcs(script_args) -> list:
     import importlib
     import sys
 
-    from trl.rewards import accuracy_reward, get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward
+    from trl.rewards import (
+        accuracy_reward,
+        get_soft_overlong_punishment,
+        reasoning_accuracy_reward,
+        think_format_reward,
+    )
 
     registry = {
         "accuracy_reward": accuracy_reward,
@@ -49,11 +59,14 @@ def load_reward_funcs(script_args) -> list:
             sys.path.insert(0, os.getcwd())
             reward_funcs.append(getattr(importlib.import_module(module_path), function))
         else:
-            raise ValueError(f"Could not load reward function {name!r}. Expected one of {list(registry)} or a "
-                             "dotted import path (e.g. 'my_lib.rewards.custom_reward').")
+            raise ValueError(
+                f"Could not load reward function {name!r}. Expected one of {list(registry)} or a "
+                "dotted import path (e.g. 'my_lib.rewards.custom_reward')."
+            )
     if not reward_funcs:
-        raise ValueError("GRPO, RLOO and online DPO need a reward: `--reward_funcs` and/or "
-                         "`--reward_model_name_or_path`.")
+        raise ValueError(
+            "GRPO, RLOO and online DPO need a reward: `--reward_funcs` and/or `--reward_model_name_or_path`."
+        )
     return reward_funcs
 
 
@@ -115,12 +128,19 @@ def main(command: str, script_args, training_args, model_args, dataset_args) -> 
     eval_dataset = None
     if training_args.eval_strategy != "no":
         if script_args.dataset_test_split not in dataset:
-            raise ValueError(f"Split {script_args.dataset_test_split!r} not in the dataset (splits: {list(dataset)}); "
-                             "set `--dataset_test_split` or `--eval_strategy no`.")
+            raise ValueError(
+                f"Split {script_args.dataset_test_split!r} not in the dataset (splits: {list(dataset)}); "
+                "set `--dataset_test_split` or `--eval_strategy no`."
+            )
         eval_dataset = dataset[script_args.dataset_test_split]
 
-    trainer_cls = {"dpo": DPOTrainer, "reward": RewardTrainer, "grpo": GRPOTrainer, "rloo": RLOOTrainer,
-                   "online_dpo": OnlineDPOTrainer}[command]
+    trainer_cls = {
+        "dpo": DPOTrainer,
+        "reward": RewardTrainer,
+        "grpo": GRPOTrainer,
+        "rloo": RLOOTrainer,
+        "online_dpo": OnlineDPOTrainer,
+    }[command]
     rewards = {"reward_funcs": load_reward_funcs(script_args)} if command in ("grpo", "rloo", "online_dpo") else {}
     loading = {"quantization_config": get_quantization_config(model_args)}  # how the trainer loads the model
     if command == "online_dpo":  # its trainer takes no `quantization_config` (the model is loaded with these kwargs)
@@ -130,8 +150,10 @@ def main(command: str, script_args, training_args, model_args, dataset_args) -> 
         if quantization_config is not None:
             training_args.model_init_kwargs["quantization_config"] = quantization_config
         loading["processing_class"] = AutoTokenizer.from_pretrained(
-            model_args.model_name_or_path, revision=model_args.model_revision,
-            trust_remote_code=training_args.trust_remote_code)
+            model_args.model_name_or_path,
+            revision=model_args.model_revision,
+            trust_remote_code=training_args.trust_remote_code,
+        )
     trainer = trainer_cls(
         model=model_args.model_name_or_path,
         **rewards,

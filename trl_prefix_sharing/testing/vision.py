@@ -13,11 +13,18 @@ import random
 
 from . import WORDS, make_tokenizer
 
+
 __all__ = ["VISION_FAMILIES", "make_vision_processor", "make_vision_model", "synthetic_image_pairs", "random_image"]
 
 VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-VISION_SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
-                         "<|video_pad|>"]
+VISION_SPECIAL_TOKENS = [
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
 #: Qwen's chat format (images as `<|vision_start|><|image_pad|><|vision_end|>`), spaces for the word-level tokenizer
 VISION_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }} "
@@ -51,10 +58,12 @@ def make_vision_processor(family: str = "qwen2_vl", max_pixels: int = 64 * 64):
     tokenizer.add_special_tokens({"additional_special_tokens": VISION_SPECIAL_TOKENS})
     tokenizer.chat_template = VISION_CHAT_TEMPLATE
     factor = 2 * PATCH_SIZE
-    image_processor = Qwen2VLImageProcessorPil(patch_size=PATCH_SIZE, merge_size=2, temporal_patch_size=2,
-                                               min_pixels=factor * factor, max_pixels=max_pixels)
-    return _processor_class(family)(image_processor=image_processor, tokenizer=tokenizer,
-                                    chat_template=VISION_CHAT_TEMPLATE)
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=PATCH_SIZE, merge_size=2, temporal_patch_size=2, min_pixels=factor * factor, max_pixels=max_pixels
+    )
+    return _processor_class(family)(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=VISION_CHAT_TEMPLATE
+    )
 
 
 def make_vision_config(family: str, tokenizer, hidden_size: int = 32, num_layers: int = 2, vision_depth: int = 2):
@@ -65,27 +74,50 @@ def make_vision_config(family: str, tokenizer, hidden_size: int = 32, num_layers
     ids = tokenizer.convert_tokens_to_ids(VISION_SPECIAL_TOKENS)
     quarter = hidden_size // 4 // 2 // 4  # head_dim = hidden_size / 4 heads; M-RoPE sections add up to head_dim / 2
     mrope_section = [2 * quarter, quarter, quarter]
-    text = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id,
-                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                rope_parameters={"rope_type": "default", "mrope_section": mrope_section, "rope_theta": 10000.0})
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        rope_parameters={"rope_type": "default", "mrope_section": mrope_section, "rope_theta": 10000.0},
+    )
     vision = dict(depth=vision_depth, num_heads=2, patch_size=PATCH_SIZE, spatial_merge_size=2, temporal_patch_size=2)
-    tokens = dict(image_token_id=ids[4], video_token_id=ids[5], vision_start_token_id=ids[2],
-                  vision_end_token_id=ids[3], tie_word_embeddings=False)
+    tokens = dict(
+        image_token_id=ids[4],
+        video_token_id=ids[5],
+        vision_start_token_id=ids[2],
+        vision_end_token_id=ids[3],
+        tie_word_embeddings=False,
+    )
     if family == "qwen2_vl":
         vision.update(embed_dim=16, hidden_size=hidden_size, mlp_ratio=2)
         return Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
     if family == "qwen2_5_vl":
         # window attention in the first block (windows of 2 x 2 merged tokens), full attention in the last
-        vision.update(hidden_size=16, intermediate_size=32, out_hidden_size=hidden_size, window_size=4 * PATCH_SIZE,
-                      fullatt_block_indexes=[vision_depth - 1])
+        vision.update(
+            hidden_size=16,
+            intermediate_size=32,
+            out_hidden_size=hidden_size,
+            window_size=4 * PATCH_SIZE,
+            fullatt_block_indexes=[vision_depth - 1],
+        )
         return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
     if family == "qwen3_vl":
         text.update(head_dim=hidden_size // 4)
         text["rope_parameters"] = dict(text["rope_parameters"], mrope_interleaved=True)
-        vision.update(hidden_size=16, intermediate_size=32, out_hidden_size=hidden_size, num_position_embeddings=64,
-                      deepstack_visual_indexes=[0])
+        vision.update(
+            hidden_size=16,
+            intermediate_size=32,
+            out_hidden_size=hidden_size,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0],
+        )
         return Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
     raise ValueError(f"Unknown vision family {family!r}; choose from {VISION_FAMILIES}.")
 
@@ -97,8 +129,9 @@ def make_vision_model(family: str, processor, seed: int = 0, attn_implementation
 
     config = copy.deepcopy(make_vision_config(family, processor.tokenizer, **config_kwargs))
     torch.manual_seed(seed)
-    return AutoModelForImageTextToText.from_config(config, attn_implementation=attn_implementation,
-                                                   dtype=torch.float32)
+    return AutoModelForImageTextToText.from_config(
+        config, attn_implementation=attn_implementation, dtype=torch.float32
+    )
 
 
 def random_image(height: int, width: int, seed: int = 0):
@@ -112,7 +145,8 @@ def random_image(height: int, width: int, seed: int = 0):
 
 def synthetic_image_pairs(n: int, image_sizes, prompt_len=(3, 8), completion_len=(1, 6), seed: int = 0):
     """`n` conversational image preference examples in TRL's vision format (`images`, `prompt`, `chosen`,
-    `rejected`). `image_sizes`: for each example, a list of (height, width), cycled (an empty list: a text-only row)."""
+    `rejected`). `image_sizes`: for each example, a list of (height, width), cycled (an empty list: a text-only
+    row)."""
     from datasets import Dataset
 
     rng = random.Random(seed)
@@ -124,10 +158,12 @@ def synthetic_image_pairs(n: int, image_sizes, prompt_len=(3, 8), completion_len
     for i in range(n):
         sizes = image_sizes[i % len(image_sizes)]
         images = [random_image(h, w, seed=1000 * seed + 10 * i + k) for k, (h, w) in enumerate(sizes)]
-        rows.append({
-            "images": images,  # TRL puts their placeholders before the first user message's text
-            "prompt": [{"role": "user", "content": words(prompt_len)}],
-            "chosen": [{"role": "assistant", "content": words(completion_len)}],
-            "rejected": [{"role": "assistant", "content": words(completion_len)}],
-        })
+        rows.append(
+            {
+                "images": images,  # TRL puts their placeholders before the first user message's text
+                "prompt": [{"role": "user", "content": words(prompt_len)}],
+                "chosen": [{"role": "assistant", "content": words(completion_len)}],
+                "rejected": [{"role": "assistant", "content": words(completion_len)}],
+            }
+        )
     return Dataset.from_list(rows)
