@@ -22,6 +22,7 @@ import tempfile
 import time
 import warnings
 
+
 # image tokens per image -> image side in pixels (one merged token covers 8 x 8 pixels of the tiny processor)
 PROFILES = {256: 128, 576: 192, 1024: 256}
 
@@ -54,27 +55,53 @@ def main():
     for tokens in (int(t) for t in args.profiles.split(",")):
         side = PROFILES[tokens]
         processor = make_vision_processor("qwen2_vl", max_pixels=side * side)
-        dataset = synthetic_image_pairs(args.batch_size * (args.steps + 1), [[(side, side)]], prompt_len=(12, 20),
-                                        completion_len=(16, 32), seed=tokens)
-        model = make_vision_model("qwen2_vl", processor, hidden_size=args.hidden_size, num_layers=args.layers,
-                                  vision_depth=args.vision_depth)
-        common = dict(output_dir=os.path.join(tmp, str(tokens)), per_device_train_batch_size=args.batch_size,
-                      bf16=False, use_cpu=True, report_to="none", save_strategy="no", max_length=None, seed=0,
-                      gradient_checkpointing=False, disable_tqdm=True)
+        dataset = synthetic_image_pairs(
+            args.batch_size * (args.steps + 1),
+            [[(side, side)]],
+            prompt_len=(12, 20),
+            completion_len=(16, 32),
+            seed=tokens,
+        )
+        model = make_vision_model(
+            "qwen2_vl", processor, hidden_size=args.hidden_size, num_layers=args.layers, vision_depth=args.vision_depth
+        )
+        common = dict(
+            output_dir=os.path.join(tmp, str(tokens)),
+            per_device_train_batch_size=args.batch_size,
+            bf16=False,
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            max_length=None,
+            seed=0,
+            gradient_checkpointing=False,
+            disable_tqdm=True,
+        )
         trainers = {
-            "stock": trl.DPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(model),
-                                    args=trl.DPOConfig(**common), train_dataset=dataset, processing_class=processor),
-            "sharing": DPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(model),
-                                  args=DPOConfig(prefix_sharing=True, **common), train_dataset=dataset,
-                                  processing_class=processor),
+            "stock": trl.DPOTrainer(
+                model=copy.deepcopy(model),
+                ref_model=copy.deepcopy(model),
+                args=trl.DPOConfig(**common),
+                train_dataset=dataset,
+                processing_class=processor,
+            ),
+            "sharing": DPOTrainer(
+                model=copy.deepcopy(model),
+                ref_model=copy.deepcopy(model),
+                args=DPOConfig(prefix_sharing=True, **common),
+                train_dataset=dataset,
+                processing_class=processor,
+            ),
         }
-        batches = [[dataset[i] for i in range(b * args.batch_size, (b + 1) * args.batch_size)]
-                   for b in range(args.steps + 1)]
+        batches = [
+            [dataset[i] for i in range(b * args.batch_size, (b + 1) * args.batch_size)] for b in range(args.steps + 1)
+        ]
         for trainer in trainers.values():
             trainer.current_gradient_accumulation_steps = 1  # set by `train()`, read by `training_step`
         patches = {}
         for name, trainer in trainers.items():
-            def hook(module, inputs, output, name=name):
+
+            def hook(module, inputs, output, name=name, patches=patches):
                 patches[name] = inputs[0].shape[0]
 
             trainer.model.model.visual.register_forward_hook(hook)
@@ -93,18 +120,26 @@ def main():
                 elapsed, wall = time.process_time() - start, time.perf_counter() - start_wall
                 trainer.model.zero_grad(set_to_none=True)
                 if b == 0:  # warm-up; count the work of one batch (patches: the policy's tower, one forward)
-                    counts[name] = {"positions": (layout if layout is not None else batch)["input_ids"].numel(),
-                                    "patches": patches[name]}
+                    counts[name] = {
+                        "positions": (layout if layout is not None else batch)["input_ids"].numel(),
+                        "patches": patches[name],
+                    }
                 else:
                     times[name].append(elapsed)
                     walls[name].append(wall)
         stock_t, shared_t = (statistics.median(times[name]) for name in ("stock", "sharing"))
         stock_w, shared_w = (statistics.median(walls[name]) for name in ("stock", "sharing"))
         row = {
-            "tokens": tokens, "side": side,
-            "stock_positions": counts["stock"]["positions"], "shared_positions": counts["sharing"]["positions"],
-            "stock_patches": counts["stock"]["patches"], "shared_patches": counts["sharing"]["patches"],
-            "stock_s": stock_t, "shared_s": shared_t, "stock_wall_s": stock_w, "shared_wall_s": shared_w,
+            "tokens": tokens,
+            "side": side,
+            "stock_positions": counts["stock"]["positions"],
+            "shared_positions": counts["sharing"]["positions"],
+            "stock_patches": counts["stock"]["patches"],
+            "shared_patches": counts["sharing"]["patches"],
+            "stock_s": stock_t,
+            "shared_s": shared_t,
+            "stock_wall_s": stock_w,
+            "shared_wall_s": shared_w,
         }
         rows.append(row)
         print(row, file=sys.stderr)

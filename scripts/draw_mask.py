@@ -16,6 +16,7 @@ import torch
 from trl_prefix_sharing.layout import build_shared_batch
 from trl_prefix_sharing.mask import dense_mask, dpo_mask
 
+
 COLOURS = {0: (120, 120, 120), 1: (46, 160, 67), 2: (207, 34, 46)}
 CELL, GAP = 24, 2
 

@@ -8,6 +8,7 @@ import json
 import random
 from pathlib import Path
 
+
 NAMES = ["Ann", "Ben", "Cleo", "Dan", "Eva", "Finn", "Gus", "Hana", "Ivo", "Jade", "Kai", "Lena"]
 ITEMS = ["apples", "pens", "books", "coins", "shells", "cards", "stamps", "marbles", "cups", "kites"]
 OUT = Path(__file__).resolve().parent.parent / "trl_prefix_sharing" / "data" / "demo_preferences.jsonl"
@@ -41,11 +42,13 @@ def main(n=96, shots=4, seed=0):
         name, item, a, b, op, answer, text = problem(rng)
         lines.append(f"Question : {text} Answer :")
         wrong = answer + rng.choice([-3, -2, -1, 1, 2, 3])
-        rows.append({
-            "prompt": " ".join(lines),
-            "chosen": " " + solution(name, item, a, b, op, answer),
-            "rejected": " " + solution(name, item, a, b, op, wrong),
-        })
+        rows.append(
+            {
+                "prompt": " ".join(lines),
+                "chosen": " " + solution(name, item, a, b, op, answer),
+                "rejected": " " + solution(name, item, a, b, op, wrong),
+            }
+        )
     OUT.write_text("".join(json.dumps(row) + "\n" for row in rows))
     print(f"wrote {len(rows)} examples to {OUT}")
 

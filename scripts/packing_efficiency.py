@@ -10,10 +10,15 @@ import random
 
 from trl_prefix_sharing import MultipackSampler
 
+
 # median prompt / completion tokens (issue 6 / the paper's Table)
 PROFILES = {
-    "Capybara": (712, 448), "HH-RLHF": (127, 59), "MetaMath-DPO": (694, 178), "TLDR": (382, 34),
-    "Tulu-Helpsteer": (669, 106), "UltraFeedback": (121, 288),
+    "Capybara": (712, 448),
+    "HH-RLHF": (127, 59),
+    "MetaMath-DPO": (694, 178),
+    "TLDR": (382, 34),
+    "Tulu-Helpsteer": (669, 106),
+    "UltraFeedback": (121, 288),
 }
 
 
@@ -33,8 +38,8 @@ def main():
         f"Packing efficiency (used / available tokens of the rows yielded), {args.examples:,} synthetic examples per "
         f"profile, packing_length = {args.batch_size} x longest unit rounded up to 128, {args.ranks} ranks.",
         "",
-        "| profile | median p / c | unit: shared (tokens) | efficiency, shared | unit: unshared | efficiency, unshared "
-        "| padded batches (stock, no packing) |",
+        "| profile | median p / c | unit: shared (tokens) | efficiency, shared | unit: unshared "
+        "| efficiency, unshared | padded batches (stock, no packing) |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, (p, c) in PROFILES.items():
@@ -56,14 +61,22 @@ def main():
         for lengths in (shared, unshared):
             length = -(-args.batch_size * max(lengths) // 128) * 128
             sampler = MultipackSampler(lengths, length, num_replicas=args.ranks, rank=0)
-            efficiency = sum(MultipackSampler(lengths, length, num_replicas=args.ranks, rank=r).efficiency()
-                             for r in range(args.ranks)) / args.ranks
+            efficiency = (
+                sum(
+                    MultipackSampler(lengths, length, num_replicas=args.ranks, rank=r).efficiency()
+                    for r in range(args.ranks)
+                )
+                / args.ranks
+            )
             row += [f"median {sorted(lengths)[len(lengths) // 2]}, row {length}", f"{100 * efficiency:.1f}%"]
             del sampler
         row.append(f"{100 * sum(stock_padding) / len(stock_padding):.1f}%")
         lines.append("| " + " | ".join(row) + " |")
-    lines += ["", f"Command: `python scripts/packing_efficiency.py --examples {args.examples} --batch-size "
-              f"{args.batch_size} --max-length {args.max_length} --ranks {args.ranks}`"]
+    lines += [
+        "",
+        f"Command: `python scripts/packing_efficiency.py --examples {args.examples} --batch-size "
+        f"{args.batch_size} --max-length {args.max_length} --ranks {args.ranks}`",
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

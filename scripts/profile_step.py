@@ -19,9 +19,11 @@ import sys
 import time
 from collections import defaultdict
 
+
 sys.path.insert(0, os.path.dirname(__file__))
 
 import benchmark  # noqa: E402  (the same data, models and trainers as the benchmark)
+
 
 PARTS = ["collate", "mask", "policy forward", "  attention", "  log-prob head", "reference forward", "backward"]
 
@@ -69,8 +71,11 @@ def instrumented(clock: Clock):
 
     import trl_prefix_sharing.sharing as sharing_module
 
-    saved_attention = {name: ALL_ATTENTION_FUNCTIONS[name] for name in ("sdpa", "flex_attention", "eager")
-                       if name in ALL_ATTENTION_FUNCTIONS}
+    saved_attention = {
+        name: ALL_ATTENTION_FUNCTIONS[name]
+        for name in ("sdpa", "flex_attention", "eager")
+        if name in ALL_ATTENTION_FUNCTIONS
+    }
     head = trl_utils._ChunkedLogProbFunction
     mask_builder = sharing_module.build_attention_mask
 
@@ -145,23 +150,30 @@ def main():
 
     device, tokenizer = benchmark.quiet_setup(gpu)
     clock = Clock(gpu)
-    lines = [f"# Where the step time goes ({args.mode.upper()})", "",
-             f"Device: {device}. Command: `{command}`", "",
-             "Milliseconds per step (median over the steps of the timed passes); attention and the log-prob head are "
-             "forward time inside the forwards. `compute_loss` + backward on fixed batches of "
-             f"{args.batch_size} pairs, no optimizer step.", ""]
+    lines = [
+        f"# Where the step time goes ({args.mode.upper()})",
+        "",
+        f"Device: {device}. Command: `{command}`",
+        "",
+        "Milliseconds per step (median over the steps of the timed passes); attention and the log-prob head are "
+        "forward time inside the forwards. `compute_loss` + backward on fixed batches of "
+        f"{args.batch_size} pairs, no optimizer step.",
+        "",
+    ]
     with tempfile.TemporaryDirectory() as tmp, instrumented(clock):
         for kind in args.kinds.split(","):
             model = benchmark.build_model(kind, tokenizer, args)
             for profile in args.profiles.split(","):
                 dataset = benchmark.synthetic_dataset(profile, args.pairs, args.length_scale, seed=0)
-                trainers = {v: benchmark.make_trainer(kind, v, model, tokenizer, dataset, args, tmp)
-                            for v in ("stock", "sharing")}
+                trainers = {
+                    v: benchmark.make_trainer(kind, v, model, tokenizer, dataset, args, tmp)
+                    for v in ("stock", "sharing")
+                }
                 for trainer in trainers.values():  # without the benchmark's counters and memory hooks
                     trainer.data_collator = trainer.data_collator.collator
                     del trainer.compute_loss
                 rows = [trainers["stock"].train_dataset[i] for i in range(len(trainers["stock"].train_dataset))]
-                steps = [rows[i:i + args.batch_size] for i in range(0, len(rows), args.batch_size)]
+                steps = [rows[i : i + args.batch_size] for i in range(0, len(rows), args.batch_size)]
                 per_part = {v: defaultdict(list) for v in trainers}
                 for round_ in range(args.rounds + 1):
                     for variant, trainer in trainers.items():
@@ -172,9 +184,14 @@ def main():
                             for part in PARTS:
                                 per_part[variant][part].append(step.get(part, 0.0))
                             per_part[variant]["total"].append(
-                                sum(v for k, v in step.items() if not k.startswith("  ")))
-                lines += [f"## {kind.upper()}, {profile}", "", "| part | stock (ms) | sharing (ms) | sharing / stock |",
-                          "|---|---|---|---|"]
+                                sum(v for k, v in step.items() if not k.startswith("  "))
+                            )
+                lines += [
+                    f"## {kind.upper()}, {profile}",
+                    "",
+                    "| part | stock (ms) | sharing (ms) | sharing / stock |",
+                    "|---|---|---|---|",
+                ]
                 for part in PARTS + ["total"]:
                     stock_ms = 1000 * statistics.median(per_part["stock"][part])
                     shared_ms = 1000 * statistics.median(per_part["sharing"][part])
@@ -182,7 +199,7 @@ def main():
                     label = part.replace("  ", "&nbsp;&nbsp;of which ")
                     lines.append(f"| {label} | {stock_ms:.1f} | {shared_ms:.1f} | {ratio} |")
                 lines.append("")
-                print("\n".join(lines[-(len(PARTS) + 5):]), flush=True)
+                print("\n".join(lines[-(len(PARTS) + 5) :]), flush=True)
                 del trainers
     if args.out:
         with open(args.out, "w") as f:

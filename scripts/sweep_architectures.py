@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 REGISTRY = ROOT / "trl_prefix_sharing" / "data" / "architectures.json"
@@ -78,13 +79,19 @@ def measure(family: str, tokenizer, dataset) -> dict:
         try:
             stock, shared = eq.make_trainers(tmp, family, dataset, tokenizer, config_kwargs=overrides)
             examples = list(stock.train_dataset)
-            result["dpo"] = _run(lambda: eq.step(stock, examples), lambda: eq.step(shared, examples),
-                                 lambda a, b: eq.assert_same_step(a, b))
+            result["dpo"] = _run(  # each function runs inside this iteration: no late binding
+                lambda: eq.step(stock, examples),  # noqa: B023
+                lambda: eq.step(shared, examples),  # noqa: B023
+                lambda a, b: eq.assert_same_step(a, b),
+            )
             if has_head and name != "router_aux_loss":  # the reward trainer has no auxiliary loss
                 stock, shared = eq.make_reward_trainers(tmp, family, dataset, tokenizer, config_kwargs=overrides)
                 examples = list(stock.train_dataset)
-                result["reward"] = _run(lambda: eq.reward_step(stock, examples), lambda: eq.reward_step(shared, examples),
-                                        lambda a, b: eq.assert_same_reward_step(a, b))
+                result["reward"] = _run(
+                    lambda: eq.reward_step(stock, examples),  # noqa: B023
+                    lambda: eq.reward_step(shared, examples),  # noqa: B023
+                    lambda a, b: eq.assert_same_reward_step(a, b),
+                )
         except _Timeout:
             result.setdefault("dpo", f"error: over {TIMEOUT_S} s")
         except Exception as error:  # noqa: BLE001 - building the trainers failed
@@ -92,8 +99,11 @@ def measure(family: str, tokenizer, dataset) -> dict:
         finally:
             signal.alarm(0)
         config_overrides = {k: v for k, v in overrides.items() if k != "attn_implementation"}
-        if name == "sliding_window" and result.get("dpo") == "equal" and window_layout(
-                make_config(family, len(tokenizer), **config_overrides))[0] is None:
+        if (
+            name == "sliding_window"
+            and result.get("dpo") == "equal"
+            and window_layout(make_config(family, len(tokenizer), **config_overrides))[0] is None
+        ):
             result = {"dpo": "not applicable: the config's layer types slide nowhere"}
         results[name] = result
     return results
@@ -112,12 +122,14 @@ def summarise(family: str, results: dict, tokenizer) -> tuple[str, dict]:
             config = make_config(family, len(tokenizer))
             model_class = _causal_lm_class(config)
             entry["attention"] = ("sdpa" if model_class._supports_sdpa else "eager") + (
-                ", flex" if model_class._supports_flex_attn else "")
+                ", flex" if model_class._supports_flex_attn else ""
+            )
             entry["moe"] = hasattr(config, "output_router_logits")
         except Exception:  # noqa: BLE001 - notes only
             pass
-        entry["failed_variants"] = {name: r for name, r in results.items()
-                                    if name not in equal and not r["dpo"].startswith("not applicable")}
+        entry["failed_variants"] = {
+            name: r for name, r in results.items() if name not in equal and not r["dpo"].startswith("not applicable")
+        }
         return "supported", entry
     return "refused", {"reason": REFUSED.get(family) or _measured_reason(results), "measured": results}
 
@@ -125,17 +137,18 @@ def summarise(family: str, results: dict, tokenizer) -> tuple[str, dict]:
 def _measured_reason(results: dict) -> str:
     """The reason of a family refused by measurement alone: what its default variant did."""
     default = results["default"]
-    kind, outcome = next((kind, o) for kind, o in (("DPO", default.get("dpo")), ("reward", default.get("reward")))
-                         if o and o != "equal")
+    kind, outcome = next(
+        (kind, o) for kind, o in (("DPO", default.get("dpo")), ("reward", default.get("reward"))) if o and o != "equal"
+    )
     if outcome.startswith("differs"):
-        return f"measured: the prefix-shared {kind} step differs from stock ({outcome[len('differs: '):]})"
+        return f"measured: the prefix-shared {kind} step differs from stock ({outcome[len('differs: ') :]})"
     if outcome.startswith("stock fails"):
-        return f"stock TRL itself fails on the measured tiny model ({outcome[len('stock fails: '):]})"
+        return f"stock TRL itself fails on the measured tiny model ({outcome[len('stock fails: ') :]})"
     if "over" in outcome and outcome.endswith(" s"):
         return "not measured: the tiny model ran over the sweep's time limit"
     if outcome.startswith("no tiny config"):
         return f"not measured: {outcome}"
-    return f"measured: prefix sharing raised in the {kind} step ({outcome[len('error: '):]})"
+    return f"measured: prefix sharing raised in the {kind} step ({outcome[len('error: ') :]})"
 
 
 def _causal_lm_class(config):
@@ -157,14 +170,20 @@ def readme_table(registry: dict) -> str:
         outcome = next(o for o in failed.values() if o and o != "equal")
         return "refused (measured: " + outcome.split(":")[0] + ")"
 
-    lines = [BEGIN, "", "| Model type | Sliding window | Router aux loss (MoE) | Reward head | Attention |",
-             "|---|---|---|---|---|"]
+    lines = [
+        BEGIN,
+        "",
+        "| Model type | Sliding window | Router aux loss (MoE) | Reward head | Attention |",
+        "|---|---|---|---|---|",
+    ]
     for family, entry in sorted(registry["supported"].items()):
         config = make_config(family, 8)
         attention = entry.get("attention", "")
-        lines.append(f"| `{family}` | {option(entry, config, 'sliding_window')} | "
-                     f"{option(entry, config, 'router_aux_loss')} | {'yes' if entry['reward'] else 'none in transformers'} "
-                     f"| {attention} |")
+        lines.append(
+            f"| `{family}` | {option(entry, config, 'sliding_window')} | "
+            f"{option(entry, config, 'router_aux_loss')} | {'yes' if entry['reward'] else 'none in transformers'} "
+            f"| {attention} |"
+        )
     lines += ["", "Refused (the error names the reason):", "", "| Model types | Reason |", "|---|---|"]
     by_reason = {}
     for family, entry in sorted(registry["refused"].items()):
@@ -179,22 +198,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("families", nargs="*", help="model types (default: every causal LM transformers knows)")
     parser.add_argument("--write", action="store_true", help="update the registry JSON and the README table")
-    parser.add_argument("--registry", type=pathlib.Path, default=REGISTRY,
-                        help="the registry JSON to update (default: the package's)")
-    parser.add_argument("--measure-refused", action="store_true",
-                        help="measure the families `REFUSED` names too (default: record their reason only)")
-    parser.add_argument("--readme-only", action="store_true",
-                        help="measure nothing: re-apply the reasons of `REFUSED` and regenerate the README table")
+    parser.add_argument(
+        "--registry", type=pathlib.Path, default=REGISTRY, help="the registry JSON to update (default: the package's)"
+    )
+    parser.add_argument(
+        "--measure-refused",
+        action="store_true",
+        help="measure the families `REFUSED` names too (default: record their reason only)",
+    )
+    parser.add_argument(
+        "--readme-only",
+        action="store_true",
+        help="measure nothing: re-apply the reasons of `REFUSED` and regenerate the README table",
+    )
     args = parser.parse_args()
     if args.readme_only:
         _write_readme(_write_registry(json.loads(args.registry.read_text()), args.registry))
         return
 
     import conftest  # noqa: F401  - the tests' environment (quiet, 2 threads)
+    from equivalence import awkward_text_dataset
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     import trl_prefix_sharing.sharing as sharing_module
-    from equivalence import awkward_text_dataset
     from trl_prefix_sharing.architectures import REFUSED
     from trl_prefix_sharing.testing import make_tokenizer
 
@@ -219,9 +245,17 @@ def main() -> None:
         registry[status][family] = entry
         if args.write:
             _write_registry(registry, args.registry)
-        print(json.dumps({"family": family, "status": status, "seconds": round(time.time() - start, 1),
-                          **({"variants": entry["variants"]} if status == "supported" else {"reason": entry["reason"]})}),
-              flush=True)
+        print(
+            json.dumps(
+                {
+                    "family": family,
+                    "status": status,
+                    "seconds": round(time.time() - start, 1),
+                    **({"variants": entry["variants"]} if status == "supported" else {"reason": entry["reason"]}),
+                }
+            ),
+            flush=True,
+        )
     if args.write:
         _write_readme(_write_registry(registry, args.registry))
 
@@ -240,7 +274,7 @@ def _write_readme(registry: dict) -> None:
     text = README.read_text()
     if BEGIN not in text:
         raise SystemExit(f"README.md has no generated architectures section ({BEGIN} ... {END}).")
-    README.write_text(text[: text.index(BEGIN)] + readme_table(registry) + text[text.index(END) + len(END):])
+    README.write_text(text[: text.index(BEGIN)] + readme_table(registry) + text[text.index(END) + len(END) :])
 
 
 if __name__ == "__main__":

@@ -90,8 +90,9 @@ def main():
                 model = make_model(family, len(tokenizer), seed=seed).to(torch.bfloat16)
                 ref = make_model(family, len(tokenizer), seed=seed + 100).to(torch.bfloat16)
                 for name, dataset in data.items():
-                    stock, shared = make_trainers(pathlib.Path(tmp), family, dataset, tokenizer, model=model,
-                                                  ref_model=ref, bf16=args.autocast)
+                    stock, shared = make_trainers(
+                        pathlib.Path(tmp), family, dataset, tokenizer, model=model, ref_model=ref, bf16=args.autocast
+                    )
                     examples = list(stock.train_dataset)
                     base = per_token_logps(stock, examples)
                     n = len(examples)
@@ -107,8 +108,10 @@ def main():
                         rows["shared (flex)"] = per_token_logps(shared, examples)
                     for kind, other in rows.items():
                         sums, tokens, magnitude = spread(base, other)
-                        print(f"{family:8s} seed {seed} {name:9s} {kind:17s} sum {sums:.5f} token {tokens:.5f} "
-                              f"|sum| {magnitude:.1f}")
+                        print(
+                            f"{family:8s} seed {seed} {name:9s} {kind:17s} sum {sums:.5f} token {tokens:.5f} "
+                            f"|sum| {magnitude:.1f}"
+                        )
                         w = worst.setdefault(kind, [0.0, 0.0, 0.0])
                         worst[kind] = [max(w[0], sums), max(w[1], tokens), max(w[2], magnitude)]
     print("max over families, seeds and datasets:")

@@ -1,6 +1,7 @@
 import os
 import warnings
 
+
 os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore")
@@ -8,6 +9,7 @@ warnings.filterwarnings("ignore")
 import datasets  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
 
 datasets.disable_progress_bars()
 datasets.disable_caching()

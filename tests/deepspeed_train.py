@@ -14,6 +14,7 @@ import os
 import sys
 import warnings
 
+
 warnings.filterwarnings("ignore")
 os.environ.setdefault("TQDM_DISABLE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
@@ -34,17 +35,32 @@ def make_models(tokenizer) -> dict:
     from transformers import AutoModelForSequenceClassification
 
     torch.manual_seed(0)
-    reward = AutoModelForSequenceClassification.from_config(make_config("llama", len(tokenizer), num_labels=1),
-                                                            attn_implementation="sdpa", dtype=torch.float32)
-    return {"dpo": (make_model("qwen2", len(tokenizer), seed=0), make_model("qwen2", len(tokenizer), seed=1)),
-            "reward": (reward,)}
+    reward = AutoModelForSequenceClassification.from_config(
+        make_config("llama", len(tokenizer), num_labels=1), attn_implementation="sdpa", dtype=torch.float32
+    )
+    return {
+        "dpo": (make_model("qwen2", len(tokenizer), seed=0), make_model("qwen2", len(tokenizer), seed=1)),
+        "reward": (reward,),
+    }
 
 
 def make_trainer(kind, ours, out, tokenizer, dataset, models, **fields):
-    common = dict(output_dir=os.path.join(out, "run"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                  num_train_epochs=1, bf16=False, use_cpu=True, report_to="none", logging_steps=1,
-                  save_strategy="no", seed=0, learning_rate=0.1, optim="sgd", max_length=None,
-                  train_sampling_strategy="sequential")  # the same batches for both runs (packing: its own sampler)
+    common = dict(
+        output_dir=os.path.join(out, "run"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        num_train_epochs=1,
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        learning_rate=0.1,
+        optim="sgd",
+        max_length=None,
+        train_sampling_strategy="sequential",
+    )  # the same batches for both runs (packing: its own sampler)
     common.update(fields)
     ours_fields = ours or {}
     if kind == "dpo":
@@ -66,11 +82,13 @@ def partitioning(trainer) -> dict:
     master = getattr(optimizer, "fp32_partitioned_groups_flat", None)  # ZeRO-3
     if master is None:
         master = getattr(optimizer, "single_partition_of_fp32_groups", [])  # ZeRO-1/2
-    return {"stage": engine.zero_optimization_stage(),
-            "local": sum(p.numel() for p in params),  # ZeRO-3: empty placeholders
-            "partition": sum(p.ds_tensor.numel() for p in params if hasattr(p, "ds_tensor")),
-            "full": sum(getattr(p, "ds_numel", p.numel()) for p in params),
-            "optimizer_partition": sum(t.numel() for t in master)}
+    return {
+        "stage": engine.zero_optimization_stage(),
+        "local": sum(p.numel() for p in params),  # ZeRO-3: empty placeholders
+        "partition": sum(p.ds_tensor.numel() for p in params if hasattr(p, "ds_tensor")),
+        "full": sum(getattr(p, "ds_numel", p.numel()) for p in params),
+        "optimizer_partition": sum(t.numel() for t in master),
+    }
 
 
 def full_weights(trainer) -> dict:
@@ -108,26 +126,42 @@ def main():
         if run in ("dpo", "reward"):
             todo = [("stock", None, {}), ("ours", {"prefix_sharing": True}, {})]
         elif run == "dpo-packing":
-            todo = [("ours", {"prefix_sharing": True, "packing": True}, {"gradient_accumulation_steps": 1,
-                                                                         "per_device_train_batch_size": 3})]
+            todo = [
+                (
+                    "ours",
+                    {"prefix_sharing": True, "packing": True},
+                    {"gradient_accumulation_steps": 1, "per_device_train_batch_size": 3},
+                )
+            ]
         else:  # dpo-replay: one process, the packed batches of 2 ranks as ordinary stock batches
             todo = [("stock", None, {"gradient_accumulation_steps": 1, "per_device_train_batch_size": 3})]
         for label, ours, fields in todo:
             trainer = make_trainer(kind, ours, args.out, tokenizer, dataset, models, **fields)
             if run == "dpo-replay":
-                planner = make_trainer(kind, {"prefix_sharing": True, "packing": True}, args.out, tokenizer, dataset,
-                                       models, **fields)
-                replay = ReplayRanks(planner._unit_lengths(planner.train_dataset),
-                                     planner._resolve_packing_length(), num_replicas=2, rank=0, seed=0, shuffle=True)
-                trainer._get_train_sampler = lambda train_dataset=None: replay
+                planner = make_trainer(
+                    kind, {"prefix_sharing": True, "packing": True}, args.out, tokenizer, dataset, models, **fields
+                )
+                replay = ReplayRanks(
+                    planner._unit_lengths(planner.train_dataset),
+                    planner._resolve_packing_length(),
+                    num_replicas=2,
+                    rank=0,
+                    seed=0,
+                    shuffle=True,
+                )
+                trainer._get_train_sampler = lambda train_dataset=None, replay=replay: replay
             loader = trainer.get_train_dataloader()
             sampler = getattr(loader.batch_sampler, "batch_sampler", loader.batch_sampler)
             pairs_per_batch = [len(b) for b in sampler] if "packing" in run else []
             trainer.train()
             losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
             weights = full_weights(trainer)
-            results[f"{run}/{label}"] = {"losses": losses, "partitioning": partitioning(trainer),
-                                         "world": trainer.args.world_size, "pairs_per_batch": pairs_per_batch}
+            results[f"{run}/{label}"] = {
+                "losses": losses,
+                "partitioning": partitioning(trainer),
+                "world": trainer.args.world_size,
+                "pairs_per_batch": pairs_per_batch,
+            }
             if trainer.args.process_index == 0:
                 torch.save(weights, os.path.join(args.out, f"{run}-{label}.pt"))
     with open(os.path.join(args.out, f"rank{int(os.environ.get('RANK', 0))}.json"), "w") as f:

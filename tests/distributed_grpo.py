@@ -1,12 +1,13 @@
-"""Launched by tests/test_grpo_distributed.py through torch.distributed.run on CPU (gloo): GRPO, stock or prefix-shared,
-on 2 processes with 6 rows each and groups of 4 generations, so one group straddles the two processes. Each rank
-writes its logs and final weights to --out."""
+"""Launched by tests/test_grpo_distributed.py through torch.distributed.run on CPU (gloo): GRPO, stock or
+prefix-shared, on 2 processes with 6 rows each and groups of 4 generations, so one group straddles the two processes.
+Each rank writes its logs and final weights to --out."""
 
 import argparse
 import json
 import os
 import sys
 import warnings
+
 
 warnings.filterwarnings("ignore")
 os.environ.setdefault("TQDM_DISABLE", "1")
@@ -35,13 +36,25 @@ def main():
         save_model(Path(args.out), "llama", tokenizer)
     torch.distributed.init_process_group("gloo")
     torch.distributed.barrier()
-    trainer = make_group_trainer("grpo", bool(args.prefix_sharing), model, prompt_dataset(12), tokenizer,
-                                 Path(args.out), per_device_train_batch_size=6, max_steps=2, beta=0.1)
+    trainer = make_group_trainer(
+        "grpo",
+        bool(args.prefix_sharing),
+        model,
+        prompt_dataset(12),
+        tokenizer,
+        Path(args.out),
+        per_device_train_batch_size=6,
+        max_steps=2,
+        beta=0.1,
+    )
     torch.manual_seed(0)
     trainer.train()
     rank = trainer.args.process_index
-    logs = [{k: v for k, v in log.items() if isinstance(v, (int, float))} for log in trainer.state.log_history
-            if "loss" in log]
+    logs = [
+        {k: v for k, v in log.items() if isinstance(v, (int, float))}
+        for log in trainer.state.log_history
+        if "loss" in log
+    ]
     weights = {n: p.detach().flatten()[:64].tolist() for n, p in trainer.model.named_parameters()}
     with open(os.path.join(args.out, f"rank{rank}-{args.prefix_sharing}.json"), "w") as f:
         json.dump({"world": trainer.args.world_size, "logs": logs, "weights": weights}, f)

@@ -12,6 +12,7 @@ import os
 import sys
 import warnings
 
+
 warnings.filterwarnings("ignore")
 os.environ.setdefault("TQDM_DISABLE", "1")
 
@@ -58,22 +59,45 @@ def finish() -> None:
 
 
 def make_trainer(args, tokenizer, dataset, eval_dataset=None):
-    common = dict(output_dir=os.path.join(args.out, "run"), per_device_train_batch_size=args.batch_size,
-                  num_train_epochs=1, bf16=False, use_cpu=True, report_to="none", logging_steps=1,
-                  save_strategy="no", seed=0, prefix_sharing=bool(args.prefix_sharing), packing=bool(args.packing),
-                  learning_rate=1e-3, gradient_accumulation_steps=args.grad_accum)
+    common = dict(
+        output_dir=os.path.join(args.out, "run"),
+        per_device_train_batch_size=args.batch_size,
+        num_train_epochs=1,
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        prefix_sharing=bool(args.prefix_sharing),
+        packing=bool(args.packing),
+        learning_rate=1e-3,
+        gradient_accumulation_steps=args.grad_accum,
+    )
     if args.kind == "dpo":
         model = make_model("qwen2", len(tokenizer), seed=0)
         ref = make_model("qwen2", len(tokenizer), seed=1)
-        return DPOTrainer(model=model, ref_model=ref, args=DPOConfig(**common), train_dataset=dataset,
-                          eval_dataset=eval_dataset, processing_class=tokenizer)
+        return DPOTrainer(
+            model=model,
+            ref_model=ref,
+            args=DPOConfig(**common),
+            train_dataset=dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+        )
     from transformers import AutoModelForSequenceClassification
 
     torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_config(make_config("llama", len(tokenizer), num_labels=1),
-                                                           attn_implementation="sdpa", dtype=torch.float32)
-    return RewardTrainer(model=model, args=RewardConfig(**common, center_rewards_coefficient=0.01),
-                         train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tokenizer)
+    model = AutoModelForSequenceClassification.from_config(
+        make_config("llama", len(tokenizer), num_labels=1), attn_implementation="sdpa", dtype=torch.float32
+    )
+    return RewardTrainer(
+        model=model,
+        args=RewardConfig(**common, center_rewards_coefficient=0.01),
+        train_dataset=dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+    )
 
 
 def main():
@@ -99,8 +123,14 @@ def main():
             json.dump({"world": trainer.args.world_size, "metrics": metrics}, f)
         finish()
     if args.replay_ranks:
-        replay = ReplayRanks(trainer._unit_lengths(trainer.train_dataset), trainer._resolve_packing_length(),
-                             num_replicas=args.replay_ranks, rank=0, seed=trainer.args.seed, shuffle=True)
+        replay = ReplayRanks(
+            trainer._unit_lengths(trainer.train_dataset),
+            trainer._resolve_packing_length(),
+            num_replicas=args.replay_ranks,
+            rank=0,
+            seed=trainer.args.seed,
+            shuffle=True,
+        )
         trainer._get_train_sampler = lambda train_dataset=None: replay
     counter = CountBatches()
     trainer.add_callback(counter)
@@ -110,9 +140,18 @@ def main():
     trainer.train()
     rank = trainer.args.process_index
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "world": trainer.args.world_size, "batches": batches, "len": len(loader),
-                   "steps": counter.steps, "losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
-                   "pairs_per_batch": [len(b) for b in batches]}, f)
+        json.dump(
+            {
+                "rank": rank,
+                "world": trainer.args.world_size,
+                "batches": batches,
+                "len": len(loader),
+                "steps": counter.steps,
+                "losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
+                "pairs_per_batch": [len(b) for b in batches],
+            },
+            f,
+        )
     finish()
 
 

@@ -13,6 +13,7 @@ from datasets import Dataset
 from trl_prefix_sharing import DPOConfig, DPOTrainer
 from trl_prefix_sharing.testing import make_model
 
+
 _counter = itertools.count()
 
 
@@ -39,8 +40,19 @@ def dpo_args(tmp_path, ours: bool | dict | None, **overrides):
     return DPOConfig(**ours, **kwargs)
 
 
-def make_trainers(tmp_path, family, dataset, tokenizer, ref_model="copy", eval_dataset=None, model=None,
-                  peft_config=None, config_kwargs=None, ours=None, **overrides):
+def make_trainers(
+    tmp_path,
+    family,
+    dataset,
+    tokenizer,
+    ref_model="copy",
+    eval_dataset=None,
+    model=None,
+    peft_config=None,
+    config_kwargs=None,
+    ours=None,
+    **overrides,
+):
     """(stock TRL trainer, prefix-shared trainer) with deep-copied identical policy (and reference) models.
     `ours`: fields only our config has (default `{"prefix_sharing": True}`); `overrides`: fields of both."""
     config_kwargs = config_kwargs or {}
@@ -76,8 +88,14 @@ def step(trainer, examples):
     chosen, rejected = trainer.compute_ref_log_probs(trainer.model, batch)
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     trainer.model.zero_grad(set_to_none=True)
-    return {"loss": loss.detach(), "grads": grads, "chosen": chosen, "rejected": rejected, "metrics": metrics,
-            "batch": batch}
+    return {
+        "loss": loss.detach(),
+        "grads": grads,
+        "chosen": chosen,
+        "rejected": rejected,
+        "metrics": metrics,
+        "batch": batch,
+    }
 
 
 def assert_same_step(stock, shared, atol=1e-5, rtol=1e-5, grad_tolerances=None):
@@ -90,13 +108,19 @@ def assert_same_step(stock, shared, atol=1e-5, rtol=1e-5, grad_tolerances=None):
     torch.testing.assert_close(shared["loss"], stock["loss"], atol=atol, rtol=rtol)
     assert stock["metrics"], "no metrics were logged"
     for key, value in stock["metrics"].items():
-        torch.testing.assert_close(torch.tensor(float(shared["metrics"][key])), torch.tensor(float(value)),
-                                   atol=atol, rtol=rtol, msg=lambda m, key=key: f"metric {key}: {m}")
+        torch.testing.assert_close(
+            torch.tensor(float(shared["metrics"][key])),
+            torch.tensor(float(value)),
+            atol=atol,
+            rtol=rtol,
+            msg=lambda m, key=key: f"metric {key}: {m}",
+        )
     assert stock["grads"] and set(shared["grads"]) == set(stock["grads"])
     for name, grad in stock["grads"].items():
         assert grad.numel() > 0
-        torch.testing.assert_close(shared["grads"][name], grad, **grad_tolerances,
-                                   msg=lambda m, name=name: f"grad {name}: {m}")
+        torch.testing.assert_close(
+            shared["grads"][name], grad, **grad_tolerances, msg=lambda m, name=name: f"grad {name}: {m}"
+        )
 
 
 def compare_step(stock_trainer, shared_trainer, n=None, **tolerances):
@@ -144,11 +168,13 @@ def conversational_dataset() -> Dataset:
             {"role": "assistant", "content": f"w{i + 2} w{i + 3} so the sum"},
             {"role": "user", "content": " ".join(f"w{j}" for j in range(i, i + 3 + 4 * i))},
         ]
-        rows.append({
-            "prompt": prompt,
-            "chosen": [{"role": "assistant", "content": " ".join(f"w{j}" for j in range(50, 52 + i))}],
-            "rejected": [{"role": "assistant", "content": "no" if i % 2 else f"w50 w51 w{90 + i}"}],
-        })
+        rows.append(
+            {
+                "prompt": prompt,
+                "chosen": [{"role": "assistant", "content": " ".join(f"w{j}" for j in range(50, 52 + i))}],
+                "rejected": [{"role": "assistant", "content": "no" if i % 2 else f"w50 w51 w{90 + i}"}],
+            }
+        )
     return Dataset.from_list(rows)
 
 
@@ -161,34 +187,63 @@ def make_reward_model(family, tokenizer, seed=0, **config_kwargs):
     attn_implementation = config_kwargs.pop("attn_implementation", "sdpa")
     config = copy.deepcopy(make_config(family, len(tokenizer), num_labels=1, **config_kwargs))
     torch.manual_seed(seed)
-    return AutoModelForSequenceClassification.from_config(config, attn_implementation=attn_implementation,
-                                                          dtype=torch.float32)
+    return AutoModelForSequenceClassification.from_config(
+        config, attn_implementation=attn_implementation, dtype=torch.float32
+    )
 
 
 def reward_args(tmp_path, ours: dict | None, **overrides):
     from trl_prefix_sharing import RewardConfig
 
-    kwargs = dict(output_dir=str(tmp_path / f"run{next(_counter)}"), per_device_train_batch_size=4,
-                  per_device_eval_batch_size=4, bf16=False, use_cpu=True, report_to="none", logging_steps=1,
-                  save_strategy="no", max_length=None, seed=0)
+    kwargs = dict(
+        output_dir=str(tmp_path / f"run{next(_counter)}"),
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        max_length=None,
+        seed=0,
+    )
     kwargs.update(overrides)
     return trl.RewardConfig(**kwargs) if ours is None else RewardConfig(**ours, **kwargs)
 
 
-def make_reward_trainers(tmp_path, family, dataset, tokenizer, eval_dataset=None, peft_config=None, ours=None,
-                         stock_dataset=None, config_kwargs=None, **overrides):
+def make_reward_trainers(
+    tmp_path,
+    family,
+    dataset,
+    tokenizer,
+    eval_dataset=None,
+    peft_config=None,
+    ours=None,
+    stock_dataset=None,
+    config_kwargs=None,
+    **overrides,
+):
     """(stock TRL RewardTrainer, ours) from identical weights. `stock_dataset`: what stock trains on (e.g. the
     expanded pairs of a ranked dataset)."""
     from trl_prefix_sharing import RewardTrainer
 
     model = make_reward_model(family, tokenizer, **(config_kwargs or {}))
     trainers = []
-    for options, data in ((None, stock_dataset if stock_dataset is not None else dataset),
-                          (ours or {"prefix_sharing": True}, dataset)):
+    for options, data in (
+        (None, stock_dataset if stock_dataset is not None else dataset),
+        (ours or {"prefix_sharing": True}, dataset),
+    ):
         cls = trl.RewardTrainer if options is None else RewardTrainer
-        trainers.append(cls(model=copy.deepcopy(model), args=reward_args(tmp_path, options, **overrides),
-                            train_dataset=data, eval_dataset=eval_dataset, processing_class=tokenizer,
-                            peft_config=copy.deepcopy(peft_config)))
+        trainers.append(
+            cls(
+                model=copy.deepcopy(model),
+                args=reward_args(tmp_path, options, **overrides),
+                train_dataset=data,
+                eval_dataset=eval_dataset,
+                processing_class=tokenizer,
+                peft_config=copy.deepcopy(peft_config),
+            )
+        )
     return trainers
 
 
@@ -205,8 +260,13 @@ def reward_step(trainer, examples, pairs_in_window=None):
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     trainer.model.zero_grad(set_to_none=True)
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-    return {"loss": loss.detach(), "rewards": outputs.logits.detach(), "grads": grads, "metrics": metrics,
-            "batch": batch}
+    return {
+        "loss": loss.detach(),
+        "rewards": outputs.logits.detach(),
+        "grads": grads,
+        "metrics": metrics,
+        "batch": batch,
+    }
 
 
 def assert_same_reward_step(stock, shared, compare_rewards=True, atol=1e-5, rtol=1e-5):
@@ -221,12 +281,18 @@ def assert_same_reward_step(stock, shared, compare_rewards=True, atol=1e-5, rtol
         if key == "accuracy" and compare_rewards:
             assert float(shared["metrics"][key]) == expected_shared_accuracy(stock, shared), (key, value)
             continue
-        torch.testing.assert_close(torch.tensor(float(shared["metrics"][key])), torch.tensor(float(value)),
-                                   atol=atol, rtol=rtol, msg=lambda m, key=key: f"metric {key}: {m}")
+        torch.testing.assert_close(
+            torch.tensor(float(shared["metrics"][key])),
+            torch.tensor(float(value)),
+            atol=atol,
+            rtol=rtol,
+            msg=lambda m, key=key: f"metric {key}: {m}",
+        )
     assert stock["grads"] and set(stock["grads"]) == set(shared["grads"])
     for name, grad in stock["grads"].items():
-        torch.testing.assert_close(shared["grads"][name], grad, atol=atol, rtol=rtol,
-                                   msg=lambda m, name=name: f"grad {name}: {m}")
+        torch.testing.assert_close(
+            shared["grads"][name], grad, atol=atol, rtol=rtol, msg=lambda m, name=name: f"grad {name}: {m}"
+        )
 
 
 def tied_pairs(batch) -> torch.Tensor:

@@ -10,6 +10,7 @@ import os
 import sys
 import warnings
 
+
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
@@ -21,8 +22,13 @@ from trl_prefix_sharing.collator import PrefixSharingCollator  # noqa: E402
 from trl_prefix_sharing.forward import install_prefix_sharing_forward  # noqa: E402
 from trl_prefix_sharing.testing import make_config, make_tokenizer  # noqa: E402
 
-PAIRS = [("w1 w2 w3 w4 w5", " w6 w7", " w8"), ("w9 w10", " w11", " w12 w13 w14"),
-         ("w20 w21 w22 w23 w24 w25 w26", " w27 w28 w29", " w27 w30"), ("w31", " w32", " w32")]
+
+PAIRS = [
+    ("w1 w2 w3 w4 w5", " w6 w7", " w8"),
+    ("w9 w10", " w11", " w12 w13 w14"),
+    ("w20 w21 w22 w23 w24 w25 w26", " w27 w28 w29", " w27 w30"),
+    ("w31", " w32", " w32"),
+]
 
 
 def batch_for(tokenizer, kind, pairs):
@@ -30,14 +36,22 @@ def batch_for(tokenizer, kind, pairs):
     if kind == "dpo":
         from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-        examples = [{"prompt_ids": tokenizer(p).input_ids, "chosen_ids": tokenizer(c).input_ids + eos,
-                     "rejected_ids": tokenizer(r).input_ids + eos} for p, c, r in pairs]
+        examples = [
+            {
+                "prompt_ids": tokenizer(p).input_ids,
+                "chosen_ids": tokenizer(c).input_ids + eos,
+                "rejected_ids": tokenizer(r).input_ids + eos,
+            }
+            for p, c, r in pairs
+        ]
         base = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)
     else:
         from trl.trainer.reward_trainer import DataCollatorForPreference
 
-        examples = [{"chosen_ids": tokenizer(p + c).input_ids + eos, "rejected_ids": tokenizer(p + r).input_ids + eos}
-                    for p, c, r in pairs]
+        examples = [
+            {"chosen_ids": tokenizer(p + c).input_ids + eos, "rejected_ids": tokenizer(p + r).input_ids + eos}
+            for p, c, r in pairs
+        ]
         base = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)
     return PrefixSharingCollator(base, pad_token_id=tokenizer.pad_token_id)(examples)
 
@@ -90,7 +104,7 @@ def main():
     assert got.numel() > 0
     torch.testing.assert_close(got, expected[rank], atol=1e-5, rtol=1e-5)
     checked = 0
-    for (name, param), (_, reference) in zip(model.named_parameters(), stock.named_parameters()):
+    for (name, param), (_, reference) in zip(model.named_parameters(), stock.named_parameters(), strict=True):
         grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
         torch.testing.assert_close(grad, reference.grad, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
         checked += 1

@@ -12,9 +12,12 @@ from datasets import Dataset
 from trl_prefix_sharing import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trl_prefix_sharing.testing import make_model
 
+
 _counter = itertools.count()
-TRAINERS = {"grpo": (trl.GRPOTrainer, trl.GRPOConfig, GRPOTrainer, GRPOConfig),
-            "rloo": (trl.RLOOTrainer, trl.RLOOConfig, RLOOTrainer, RLOOConfig)}
+TRAINERS = {
+    "grpo": (trl.GRPOTrainer, trl.GRPOConfig, GRPOTrainer, GRPOConfig),
+    "rloo": (trl.RLOOTrainer, trl.RLOOConfig, RLOOTrainer, RLOOConfig),
+}
 #: logged values that are not numbers of the training (wall-clock time)
 UNCOMPARED = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos"}
 
@@ -68,9 +71,14 @@ def group_args(config_cls, tmp_path, ours: bool, **overrides):
 def make_group_trainer(kind, ours, model, dataset, tokenizer, tmp_path, peft_config=None, **overrides):
     stock_cls, stock_config, our_cls, our_config = TRAINERS[kind]
     cls, config = (our_cls, our_config) if ours else (stock_cls, stock_config)
-    return cls(model=model, reward_funcs=[reward_length, reward_digits],
-               args=group_args(config, tmp_path, ours, **overrides), train_dataset=dataset,
-               processing_class=tokenizer, peft_config=peft_config)
+    return cls(
+        model=model,
+        reward_funcs=[reward_length, reward_digits],
+        args=group_args(config, tmp_path, ours, **overrides),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
 
 
 def train(trainer):
@@ -87,13 +95,18 @@ def assert_same_runs(stock, shared, keys=None, atol=1e-5, rtol=1e-4):
     (stock_logs, stock_params), (shared_logs, shared_params) = stock, shared
     assert len(stock_logs) == len(shared_logs) > 0
     compared = 0
-    for step, (a, b) in enumerate(zip(stock_logs, shared_logs)):
+    for step, (a, b) in enumerate(zip(stock_logs, shared_logs, strict=True)):
         for key, value in a.items():
             if key in UNCOMPARED or (keys is not None and key not in keys) or not isinstance(value, (int, float)):
                 continue
             assert key in b, f"step {step}: {key} not logged with prefix sharing"
-            torch.testing.assert_close(torch.tensor(float(b[key])), torch.tensor(float(value)), atol=atol, rtol=rtol,
-                                       msg=lambda m, key=key, step=step: f"step {step}, {key}: {m}")
+            torch.testing.assert_close(
+                torch.tensor(float(b[key])),
+                torch.tensor(float(value)),
+                atol=atol,
+                rtol=rtol,
+                msg=lambda m, key=key, step=step: f"step {step}, {key}: {m}",
+            )
             compared += 1
     assert compared >= len(stock_logs) * (len(keys) if keys is not None else 10)
     assert stock_params.keys() == shared_params.keys() and stock_params

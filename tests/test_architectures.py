@@ -23,6 +23,7 @@ from trl_prefix_sharing import DPOTrainer, architectures
 from trl_prefix_sharing.architectures import REFUSED, check_supported_model, registry, variant_configs, window_layout
 from trl_prefix_sharing.testing import make_config, make_model
 
+
 SUPPORTED = registry()["supported"]
 
 
@@ -35,21 +36,43 @@ def _covered_by_window(family, variant):
 
 
 #: the families TRL's own tests train (and the first four): every variant, DPO and reward
-CORE = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "olmo3", "cohere2", "gpt_neox",
-        "gpt_oss", "glm4_moe", "qwen3_moe", "smollm3", "deepseek_v3", "mixtral"}
+CORE = {
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "olmo2",
+    "olmo3",
+    "cohere2",
+    "gpt_neox",
+    "gpt_oss",
+    "glm4_moe",
+    "qwen3_moe",
+    "smollm3",
+    "deepseek_v3",
+    "mixtral",
+}
 # CI budget: core families get DPO on every measured variant (less defaults covered above); every other supported
 # family gets one DPO step on its richest variant (all of them were measured by scripts/sweep_architectures.py); every
 # family with a sequence-classification head gets a reward step on its default (the reward forward reads the same
 # mask; the window and MoE options are DPO's)
-DPO_CASES = [(family, variant) for family, entry in SUPPORTED.items() for variant in entry["variants"]
-             if (family in CORE and not _covered_by_window(family, variant))
-             or (family not in CORE and variant == entry["variants"][-1])]
+DPO_CASES = [
+    (family, variant)
+    for family, entry in SUPPORTED.items()
+    for variant in entry["variants"]
+    if (family in CORE and not _covered_by_window(family, variant))
+    or (family not in CORE and variant == entry["variants"][-1])
+]
 REWARD_CASES = [(family, "default") for family, entry in SUPPORTED.items() if entry["reward"]]
 
 
 def _dpo(tmp_path, tokenizer, family, variant):
-    return make_trainers(tmp_path, family, awkward_text_dataset(), tokenizer,
-                         config_kwargs=family_config_kwargs(family, variant))
+    return make_trainers(
+        tmp_path, family, awkward_text_dataset(), tokenizer, config_kwargs=family_config_kwargs(family, variant)
+    )
 
 
 @pytest.mark.parametrize("family,variant", DPO_CASES)
@@ -67,8 +90,9 @@ def test_family_dpo_step_matches_stock(tmp_path, tokenizer, family, variant):
 
 @pytest.mark.parametrize("family,variant", REWARD_CASES)
 def test_family_reward_step_matches_stock(tmp_path, tokenizer, family, variant):
-    stock, shared = make_reward_trainers(tmp_path, family, awkward_text_dataset(), tokenizer,
-                                         config_kwargs=family_config_kwargs(family, variant))
+    stock, shared = make_reward_trainers(
+        tmp_path, family, awkward_text_dataset(), tokenizer, config_kwargs=family_config_kwargs(family, variant)
+    )
     examples = list(stock.train_dataset)
     stock_result, result = reward_step(stock, examples), reward_step(shared, examples)
     assert "prefix_sharing" in result["batch"]
@@ -93,8 +117,12 @@ def test_router_aux_loss_needs_the_stock_positions(tmp_path, tokenizer, monkeypa
     def shared_rows_aux_loss(router_logits, layout, stock_attention_mask, text_config):
         from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-        return load_balancing_loss_func(router_logits, text_config.num_experts, text_config.num_experts_per_tok,
-                                        (layout["document_ids"] >= 0).long())
+        return load_balancing_loss_func(
+            router_logits,
+            text_config.num_experts,
+            text_config.num_experts_per_tok,
+            (layout["document_ids"] >= 0).long(),
+        )
 
     monkeypatch.setattr(forward_module, "_stock_aux_loss", shared_rows_aux_loss)
     with pytest.raises(AssertionError, match="aux_loss|Tensor-likes"):
@@ -110,11 +138,14 @@ def test_refused_family_names_its_reason(family):
     assert reason in str(error.value)
 
 
-@pytest.mark.parametrize("overrides,match", [
-    ({"layer_types": ["full_attention", "linear_attention"]}, "not attention; recurrent"),
-    ({"attention_chunk_size": 4}, "chunked attention"),
-    ({"model_type": "not_a_model"}, "not measured for the model type 'not_a_model'"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"layer_types": ["full_attention", "linear_attention"]}, "not attention; recurrent"),
+        ({"attention_chunk_size": 4}, "chunked attention"),
+        ({"model_type": "not_a_model"}, "not measured for the model type 'not_a_model'"),
+    ],
+)
 def test_contract_refusals_without_a_registry_entry(overrides, match):
     config = make_config("llama", 32)
     for key, value in overrides.items():
@@ -133,15 +164,21 @@ def test_unmeasured_window_is_refused():
     """A family measured without a window refuses a config whose layers slide (the registry as it is): the supported
     families whose config has a window option but no measured window variant (the sweep found their tiny config's
     layer types slide nowhere; laguna, mellum and smollm3 today)."""
-    unmeasured = [f for f, e in SUPPORTED.items() if "sliding_window" not in e["variants"]
-                  and "sliding_window" in variant_configs(make_config(f, 8))]
+    unmeasured = [
+        f
+        for f, e in SUPPORTED.items()
+        if "sliding_window" not in e["variants"] and "sliding_window" in variant_configs(make_config(f, 8))
+    ]
     assert unmeasured  # the loop below must run (if the registry measures every window, construct the case instead)
     for family in unmeasured:
         check_supported_model(make_config(family, 8))  # measured without a window: allowed
         config = _sliding_layers(family)
         assert window_layout(config) == (6, True)
-        with pytest.raises(ValueError, match=f"measured equal for '{family}' without a sliding window only "
-                                             r"\(sliding_window: not measured\); this config sets `sliding_window=6`"):
+        with pytest.raises(
+            ValueError,
+            match=f"measured equal for '{family}' without a sliding window only "
+            r"\(sliding_window: not measured\); this config sets `sliding_window=6`",
+        ):
             check_supported_model(config)
 
 
@@ -156,8 +193,11 @@ def test_failed_window_variant_is_refused_with_its_outcome(monkeypatch):
     entry["variants"].remove("sliding_window")
     entry["failed_variants"] = {"sliding_window": {"dpo": "differs: chosen logps 0.1", "reward": None}}
     monkeypatch.setattr(architectures, "registry", lambda: patched)
-    with pytest.raises(ValueError, match=r"measured equal for 'mistral' without a sliding window only "
-                                         r"\(sliding_window: dpo differs: chosen logps 0.1\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"measured equal for 'mistral' without a sliding window only "
+        r"\(sliding_window: dpo differs: chosen logps 0.1\)",
+    ):
         check_supported_model(config)
 
 
@@ -167,24 +207,31 @@ def test_trust_remote_code_subclass_of_a_supported_type(tmp_path, tokenizer):
     root = tmp_path / "remote_llama"
     make_model("llama", len(tokenizer)).save_pretrained(root)
     (root / "configuration_custom_llama.py").write_text(
-        "from transformers import LlamaConfig\n\n\nclass CustomLlamaConfig(LlamaConfig):\n    model_type = 'llama'\n")
+        "from transformers import LlamaConfig\n\n\nclass CustomLlamaConfig(LlamaConfig):\n    model_type = 'llama'\n"
+    )
     (root / "modeling_custom_llama.py").write_text(
         "from transformers import LlamaForCausalLM\n\nfrom .configuration_custom_llama import CustomLlamaConfig\n\n\n"
-        "class CustomLlamaForCausalLM(LlamaForCausalLM):\n    config_class = CustomLlamaConfig\n")
+        "class CustomLlamaForCausalLM(LlamaForCausalLM):\n    config_class = CustomLlamaConfig\n"
+    )
     config = json.loads((root / "config.json").read_text())
     config["architectures"] = ["CustomLlamaForCausalLM"]
-    config["auto_map"] = {"AutoConfig": "configuration_custom_llama.CustomLlamaConfig",
-                          "AutoModelForCausalLM": "modeling_custom_llama.CustomLlamaForCausalLM"}
+    config["auto_map"] = {
+        "AutoConfig": "configuration_custom_llama.CustomLlamaConfig",
+        "AutoModelForCausalLM": "modeling_custom_llama.CustomLlamaForCausalLM",
+    }
     (root / "config.json").write_text(json.dumps(config))
-    stock, shared = make_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer, model=str(root),
-                                  ref_model=None, trust_remote_code=True)
+    stock, shared = make_trainers(
+        tmp_path, "llama", awkward_text_dataset(), tokenizer, model=str(root), ref_model=None, trust_remote_code=True
+    )
     assert type(shared.model).__name__ == "CustomLlamaForCausalLM"
     assert type(shared.model).__module__ != "transformers.models.llama.modeling_llama"
     compare_step(stock, shared)
 
 
-@pytest.mark.parametrize("family,variant", [("gemma2", "sliding_window"), ("phi3", "sliding_window"),
-                                            ("gpt_neox", "default"), ("qwen3_moe", "default")])
+@pytest.mark.parametrize(
+    "family,variant",
+    [("gemma2", "sliding_window"), ("phi3", "sliding_window"), ("gpt_neox", "default"), ("qwen3_moe", "default")],
+)
 def test_flex_attention_forward_matches_stock(tmp_path, tokenizer, family, variant):
     """FlexAttention (CUDA's default) with the BlockMask through transformers' flex path, forward on CPU."""
     if family not in SUPPORTED or variant not in SUPPORTED[family]["variants"]:
@@ -198,28 +245,34 @@ def test_flex_attention_forward_matches_stock(tmp_path, tokenizer, family, varia
         batch = trainer._prepare_inputs(trainer.data_collator(examples))
         with torch.no_grad():
             results.append(trainer.compute_ref_log_probs(trainer.model, batch))
-    for expected, got in zip(*results):
+    for expected, got in zip(*results, strict=True):
         assert expected.numel() > 0
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_unsupported_architecture_error_names_the_reason(tmp_path, tokenizer):
-    from transformers import MambaConfig, MambaForCausalLM
-
     from equivalence import dpo_args
+    from transformers import MambaConfig, MambaForCausalLM
 
     model = MambaForCausalLM(MambaConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1))
     with pytest.raises(ValueError, match="'mamba'.*carry state across the shared row"):
-        DPOTrainer(model=model, args=dpo_args(tmp_path, True), train_dataset=awkward_text_dataset(),
-                   processing_class=tokenizer)
+        DPOTrainer(
+            model=model,
+            args=dpo_args(tmp_path, True),
+            train_dataset=awkward_text_dataset(),
+            processing_class=tokenizer,
+        )
 
 
-@pytest.mark.parametrize("supports,requested,expected", [
-    ({"_supports_flex_attn": True, "_supports_sdpa": True}, "flex_attention", "flex_attention"),
-    ({"_supports_flex_attn": False, "_supports_sdpa": True}, "flex_attention", "sdpa"),
-    ({"_supports_flex_attn": False, "_supports_sdpa": False}, "flex_attention", "eager"),
-    ({"_supports_flex_attn": True, "_supports_sdpa": False}, "sdpa", "eager"),  # softcapping, sinks
-])
+@pytest.mark.parametrize(
+    "supports,requested,expected",
+    [
+        ({"_supports_flex_attn": True, "_supports_sdpa": True}, "flex_attention", "flex_attention"),
+        ({"_supports_flex_attn": False, "_supports_sdpa": True}, "flex_attention", "sdpa"),
+        ({"_supports_flex_attn": False, "_supports_sdpa": False}, "flex_attention", "eager"),
+        ({"_supports_flex_attn": True, "_supports_sdpa": False}, "sdpa", "eager"),  # softcapping, sinks
+    ],
+)
 def test_attention_implementation_per_model_class_is_logged(supports, requested, expected):
     """The one place that decides the kernel: a class that does not support the request falls back, with a warning."""
     from types import SimpleNamespace

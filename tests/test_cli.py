@@ -9,8 +9,23 @@ from pathlib import Path
 import pytest
 import torch
 
-COMMON = ["--bf16", "false", "--use_cpu", "true", "--report_to", "none", "--save_strategy", "no",
-          "--logging_steps", "1", "--max_steps", "2", "--per_device_train_batch_size", "4"]
+
+COMMON = [
+    "--bf16",
+    "false",
+    "--use_cpu",
+    "true",
+    "--report_to",
+    "none",
+    "--save_strategy",
+    "no",
+    "--logging_steps",
+    "1",
+    "--max_steps",
+    "2",
+    "--per_device_train_batch_size",
+    "4",
+]
 
 
 def _run(args, cwd, timeout=300):
@@ -41,9 +56,24 @@ def workspace(tmp_path_factory, tokenizer):
 
 def test_dpo_with_sharing_and_packing(workspace):
     out = workspace / "dpo_out"
-    proc = _run(_console_script() + ["dpo", "--model_name_or_path", str(workspace / "model"), "--dataset_name",
-                                     str(workspace / "prefs.jsonl"), "--output_dir", str(out), "--prefix_sharing",
-                                     "true", "--packing", "true", *COMMON], cwd=workspace)
+    proc = _run(
+        _console_script()
+        + [
+            "dpo",
+            "--model_name_or_path",
+            str(workspace / "model"),
+            "--dataset_name",
+            str(workspace / "prefs.jsonl"),
+            "--output_dir",
+            str(out),
+            "--prefix_sharing",
+            "true",
+            "--packing",
+            "true",
+            *COMMON,
+        ],
+        cwd=workspace,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Prefix sharing on 16 examples" in proc.stdout + proc.stderr
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -70,7 +100,9 @@ def test_reward_with_yaml_recipe_and_lora(workspace):
         "lora_task_type: SEQ_CLS\n"
         "lora_target_modules: [q_proj, v_proj]\n"
     )
-    proc = _run([sys.executable, "-m", "trl_prefix_sharing", "reward", "--config", str(recipe), *COMMON], cwd=workspace)
+    proc = _run(
+        [sys.executable, "-m", "trl_prefix_sharing", "reward", "--config", str(recipe), *COMMON], cwd=workspace
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Prefix sharing on 16 examples" in proc.stdout + proc.stderr  # the shared trainer really ran
     from peft import AutoPeftModelForSequenceClassification
@@ -81,11 +113,26 @@ def test_reward_with_yaml_recipe_and_lora(workspace):
 
 
 def test_stats_reports_whether_it_pays(workspace):
-    proc = _run(_console_script() + ["stats", "--dataset_name", str(workspace / "prefs.jsonl"),
-                                     "--model_name_or_path", str(workspace / "model")], cwd=workspace)
+    proc = _run(
+        _console_script()
+        + [
+            "stats",
+            "--dataset_name",
+            str(workspace / "prefs.jsonl"),
+            "--model_name_or_path",
+            str(workspace / "model"),
+        ],
+        cwd=workspace,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    for text in ("positions per example", "with padding, batches of 8", "packed rows: unshared", "ideal speedup",
-                 "expected training speedup from sharing", "verdict: prefix sharing pays"):
+    for text in (
+        "positions per example",
+        "with padding, batches of 8",
+        "packed rows: unshared",
+        "ideal speedup",
+        "expected training speedup from sharing",
+        "verdict: prefix sharing pays",
+    ):
         assert text in proc.stdout
     from trl_prefix_sharing.cli.stats import measured_speedups
 
@@ -95,8 +142,17 @@ def test_stats_reports_whether_it_pays(workspace):
 
 def test_stats_missing_column_is_a_clear_error(workspace):
     (workspace / "no_rejected.jsonl").write_text(json.dumps({"prompt": "w1", "chosen": "w2"}) + "\n")
-    proc = _run(_console_script() + ["stats", "--dataset_name", str(workspace / "no_rejected.jsonl"),
-                                     "--model_name_or_path", str(workspace / "model")], cwd=workspace)
+    proc = _run(
+        _console_script()
+        + [
+            "stats",
+            "--dataset_name",
+            str(workspace / "no_rejected.jsonl"),
+            "--model_name_or_path",
+            str(workspace / "model"),
+        ],
+        cwd=workspace,
+    )
     assert proc.returncode != 0 and "needs 'chosen' and 'rejected'" in proc.stderr
     assert "KeyError" not in proc.stderr
 
@@ -115,10 +171,24 @@ def test_clear_errors_before_heavy_work(workspace, dataset, model, message):
         from transformers import BloomConfig, BloomForCausalLM
 
         BloomForCausalLM(BloomConfig(vocab_size=400, hidden_size=16, n_layer=1, n_head=2)).save_pretrained(
-            workspace / "bloom")
-    proc = _run(_console_script() + ["dpo", "--model_name_or_path", str(workspace / model), "--dataset_name", dataset,
-                                     "--output_dir", str(workspace / "err_out"), "--prefix_sharing", "true", *COMMON],
-                cwd=workspace)
+            workspace / "bloom"
+        )
+    proc = _run(
+        _console_script()
+        + [
+            "dpo",
+            "--model_name_or_path",
+            str(workspace / model),
+            "--dataset_name",
+            dataset,
+            "--output_dir",
+            str(workspace / "err_out"),
+            "--prefix_sharing",
+            "true",
+            *COMMON,
+        ],
+        cwd=workspace,
+    )
     assert proc.returncode != 0
     assert message in proc.stderr
 
@@ -130,34 +200,73 @@ def test_dpo_parquet_dataset_on_two_processes(workspace):
 
     parquet = workspace / "prefs_parquet"
     load_dataset("json", data_files=str(workspace / "prefs.jsonl"))["train"].to_parquet(str(parquet / "train.parquet"))
-    proc = _run(_console_script() + ["dpo", "--model_name_or_path", str(workspace / "model"), "--dataset_name",
-                                     str(parquet), "--output_dir", str(workspace / "mp_out"), "--prefix_sharing", "true",
-                                     "--packing", "true", "--multi_gpu", "--num_processes", "2", "--log_level", "info",
-                                     *COMMON], cwd=workspace, timeout=150)
+    proc = _run(
+        _console_script()
+        + [
+            "dpo",
+            "--model_name_or_path",
+            str(workspace / "model"),
+            "--dataset_name",
+            str(parquet),
+            "--output_dir",
+            str(workspace / "mp_out"),
+            "--prefix_sharing",
+            "true",
+            "--packing",
+            "true",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--log_level",
+            "info",
+            *COMMON,
+        ],
+        cwd=workspace,
+        timeout=150,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     output = proc.stdout + proc.stderr
     assert "Prefix sharing on 16 examples" in output
     assert "Total train batch size (w. parallel, distributed & accumulation) = 8" in output  # 2 processes x 4
 
 
-LENGTHS = {"grpo": ["--num_generations", "4", "--max_completion_length", "6"],
-           "rloo": ["--num_generations", "4", "--max_completion_length", "6"], "online_dpo": ["--max_new_tokens", "6"]}
+LENGTHS = {
+    "grpo": ["--num_generations", "4", "--max_completion_length", "6"],
+    "rloo": ["--num_generations", "4", "--max_completion_length", "6"],
+    "online_dpo": ["--max_new_tokens", "6"],
+}
 
 
 @pytest.mark.parametrize("command", ["grpo", "rloo", "online_dpo"])
 def test_online_trainers_with_sharing(workspace, command):
     """`trl-prefix-sharing grpo|rloo|online_dpo` with TRL's flags: a local prompt file, a reward function by dotted
     path."""
-    (workspace / "my_rewards.py").write_text("def length(completions, **kwargs):\n"
-                                             "    return [len(c) / 10 for c in completions]\n")
+    (workspace / "my_rewards.py").write_text(
+        "def length(completions, **kwargs):\n    return [len(c) / 10 for c in completions]\n"
+    )
     with open(workspace / "prompts.jsonl", "w") as f:
         for i in range(8):
             f.write(json.dumps({"prompt": " ".join(f"w{j}" for j in range(i, 3 * i + 2))}) + "\n")
     out = workspace / f"{command}_out"
-    proc = _run(_console_script() + [command, "--model_name_or_path", str(workspace / "model"), "--dataset_name",
-                                     str(workspace / "prompts.jsonl"), "--output_dir", str(out), "--reward_funcs",
-                                     "my_rewards.length", "--prefix_sharing", "true", *LENGTHS[command], *COMMON],
-                cwd=workspace)
+    proc = _run(
+        _console_script()
+        + [
+            command,
+            "--model_name_or_path",
+            str(workspace / "model"),
+            "--dataset_name",
+            str(workspace / "prompts.jsonl"),
+            "--output_dir",
+            str(out),
+            "--reward_funcs",
+            "my_rewards.length",
+            "--prefix_sharing",
+            "true",
+            *LENGTHS[command],
+            *COMMON,
+        ],
+        cwd=workspace,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     if command != "online_dpo":
         assert "Prefix sharing: the first training batch computes" in proc.stdout + proc.stderr

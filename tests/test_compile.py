@@ -13,6 +13,7 @@ from equivalence import make_trainers
 from trl_prefix_sharing import attention, mask
 from trl_prefix_sharing.testing import synthetic_pairs
 
+
 #: compiled variants each of `create_block_mask` and `flex_attention` may need: the first shape, and the row count
 #: made dynamic by the epoch's shorter last batch. The shared width stays in one bucket: on CPU a dynamic width hits a
 #: torch 2.13 bug in the CPU FlexAttention kernel (docs/benchmarks/gpu_tests.md); tests/test_cuda.py crosses buckets
@@ -44,7 +45,10 @@ def test_flex_attention_compiles_a_bounded_number_of_times_and_equals_stock(tmp_
     for trainer in (stock, shared):
         trainer.ref_model.eval()  # as `from_pretrained` leaves it: every step switches FlexAttention's training flag
     assert shared.sharing.attn_implementation == "flex_attention" and shared.data_collator.pad_to_multiple_of == 128
-    datasets = {"train": (stock.train_dataset, shared.train_dataset), "eval": (stock.eval_dataset, shared.eval_dataset)}
+    datasets = {
+        "train": (stock.train_dataset, shared.train_dataset),
+        "eval": (stock.eval_dataset, shared.eval_dataset),
+    }
     schedule = compile_schedule(len(train), len(evaluation), batch_size=4, steps=30, eval_every=10)
     widths, rows = set(), set()
     with CompileWatch(monkeypatch) as watch:
@@ -59,13 +63,20 @@ def test_flex_attention_compiles_a_bounded_number_of_times_and_equals_stock(tmp_
             torch.testing.assert_close(loss, stock_loss, atol=1e-5, rtol=1e-5)
             assert {"logps/chosen", "logps/rejected", "rewards/margins"} <= set(stock_metrics)
             for key, value in stock_metrics.items():
-                torch.testing.assert_close(torch.tensor(float(metrics[key])), torch.tensor(float(value)), atol=1e-5,
-                                           rtol=1e-5, msg=lambda m, key=key: f"{mode} metric {key}: {m}")
+                torch.testing.assert_close(
+                    torch.tensor(float(metrics[key])),
+                    torch.tensor(float(value)),
+                    atol=1e-5,
+                    rtol=1e-5,
+                    msg=lambda m, key=key, mode=mode: f"{mode} metric {key}: {m}",
+                )
         report = watch.assert_compiled_and_bounded(MAX_VARIANTS)
     assert report["train_eval_switches"] >= 2 * 30 - 1  # policy (train), then reference (eval), every training step
     assert len(schedule) >= 30 and len(widths) >= 10 and rows == {2, 4}, (len(schedule), widths, rows)
-    print(f"compile report over {len(schedule)} batches (widths {min(widths)}-{max(widths)}, rows {sorted(rows)}):",
-          report)
+    print(
+        f"compile report over {len(schedule)} batches (widths {min(widths)}-{max(widths)}, rows {sorted(rows)}):",
+        report,
+    )
 
 
 def test_shared_rows_are_rounded_to_the_flex_block_size_unless_set():
@@ -81,9 +92,11 @@ def test_full_and_sliding_layers_share_one_compiled_variant(tmp_path, tokenizer,
     as_on_cuda(monkeypatch)
     short, long = synthetic_pairs(4, (1, 4), (1, 4), seed=7), synthetic_pairs(8, (20, 40), (5, 20), seed=8)
     config_kwargs = {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}
-    trainers = [make_trainers(tmp_path, "qwen3", data, tokenizer, config_kwargs=config_kwargs) for data in (short, long)]
+    trainers = [
+        make_trainers(tmp_path, "qwen3", data, tokenizer, config_kwargs=config_kwargs) for data in (short, long)
+    ]
     with CompileWatch(monkeypatch) as watch:
-        for (stock, shared), batches in zip(trainers, ([range(4)], [range(4), range(4, 8)])):
+        for (stock, shared), batches in zip(trainers, ([range(4)], [range(4), range(4, 8)]), strict=True):
             for trainer in (stock, shared):
                 trainer.ref_model.eval()
             for indices in batches:

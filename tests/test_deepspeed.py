@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_distributed import _failure, _free_port
 
+
 pytest.importorskip("deepspeed", reason="DeepSpeed is in the `test` extra (pip install -e '.[test]')")
 
 CONFIG = """compute_environment: LOCAL_MACHINE
@@ -35,8 +36,20 @@ def _launch(out: Path, stage: int, processes: int, runs: str) -> dict:
     config = out / "accelerate.yaml"
     config.write_text(CONFIG.format(stage=stage, processes=processes))
     script = Path(__file__).parent / "deepspeed_train.py"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port",
-           str(_free_port()), str(script), "--out", str(out), "--runs", runs]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(config),
+        "--main_process_port",
+        str(_free_port()),
+        str(script),
+        "--out",
+        str(out),
+        "--runs",
+        runs,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, _failure(proc)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(processes)]
@@ -79,5 +92,6 @@ def test_deepspeed_zero_two_processes_equal_stock(tmp_path, stage):
     # i.e. stock TRL on one process with an ordinary batch of the pairs of both ranks' packed batches
     assert ranks[0]["dpo-packing/ours"]["pairs_per_batch"] != ranks[1]["dpo-packing/ours"]["pairs_per_batch"]
     replay = _launch(tmp_path, stage, 1, "dpo-replay")[0]["dpo-replay/stock"]
-    _assert_same_run(tmp_path, "dpo-replay-stock", "dpo-packing-ours", replay["losses"],
-                     ranks[0]["dpo-packing/ours"]["losses"])
+    _assert_same_run(
+        tmp_path, "dpo-replay-stock", "dpo-packing-ours", replay["losses"], ranks[0]["dpo-packing/ours"]["losses"]
+    )

@@ -13,6 +13,7 @@ from equivalence import make_trainers
 from trl_prefix_sharing.cli.quiet import STARTUP_LINES
 from trl_prefix_sharing.testing import synthetic_pairs
 
+
 DEMO = Path(__file__).resolve().parents[1] / "scripts" / "demo.py"
 sys.path.insert(0, str(DEMO.parent))
 from demo import TakeTurns  # noqa: E402
@@ -20,8 +21,14 @@ from demo import TakeTurns  # noqa: E402
 
 def test_demo_output(tmp_path):
     env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(DEMO), "--steps", "3", "--hidden-size", "32",
-                           "--layers", "1"], capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(DEMO), "--steps", "3", "--hidden-size", "32", "--layers", "1"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     output = proc.stdout + proc.stderr
     assert output.count("Prefix sharing on 96 examples") == 1
@@ -35,8 +42,14 @@ def test_runs_take_turns_step_by_step(tmp_path, tokenizer):
     """No two runs compute at once, and the order rotates: step i of every run before step i + 1 of any."""
     from transformers import TrainerCallback
 
-    stock, shared = make_trainers(tmp_path, "llama", synthetic_pairs(12, (5, 30), (1, 6), seed=3), tokenizer,
-                                  max_steps=3, per_device_train_batch_size=2)
+    stock, shared = make_trainers(
+        tmp_path,
+        "llama",
+        synthetic_pairs(12, (5, 30), (1, 6), seed=3),
+        tokenizer,
+        max_steps=3,
+        per_device_train_batch_size=2,
+    )
     events = []
 
     class Record(TrainerCallback):
@@ -58,14 +71,20 @@ def test_runs_take_turns_step_by_step(tmp_path, tokenizer):
     turns.run(trainers)
     names = [name for name, kind, _ in events if kind == "begin"]
     assert names == ["stock", "shared", "shared", "stock", "stock", "shared"]
-    for (name, kind, _), (next_name, next_kind, _) in zip(events, events[1:]):
+    for (name, kind, _), (next_name, next_kind, _) in zip(events, events[1:], strict=True):
         assert kind != next_kind and (kind == "end" or name == next_name)  # begin/end pairs never interleave
     assert all(len(times) == 3 and min(times) > 0 for times in turns.step_times.values())
 
 
 def test_a_failing_run_releases_the_other(tmp_path, tokenizer):
-    stock, shared = make_trainers(tmp_path, "llama", synthetic_pairs(8, (5, 30), (1, 6), seed=3), tokenizer,
-                                  max_steps=2, per_device_train_batch_size=2)
+    stock, shared = make_trainers(
+        tmp_path,
+        "llama",
+        synthetic_pairs(8, (5, 30), (1, 6), seed=3),
+        tokenizer,
+        max_steps=2,
+        per_device_train_batch_size=2,
+    )
     turns = TakeTurns(["stock", "shared"], steps=2)
 
     def broken(*args, **kwargs):

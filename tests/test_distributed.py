@@ -27,8 +27,21 @@ def _failure(proc) -> str:
 def _launch(out, processes, *args):
     script = Path(__file__).parent / "distributed_train.py"
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr",
-           "127.0.0.1", "--master_port", str(_free_port()), str(script), "--out", str(out), *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(processes),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(script),
+        "--out",
+        str(out),
+        *map(str, args),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, _failure(proc)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(processes)]
@@ -48,12 +61,16 @@ def test_two_process_packed_epoch(tmp_path, prefix_sharing):
 
 SAME_GLOBAL_BATCH = {
     # (one process, two processes): per_device_train_batch_size 4 on one rank = 2 on each of two
-    "dpo-sharing": (["--packing", 0, "--batch_size", 4, "--grad_accum", 1],
-                    ["--packing", 0, "--batch_size", 2, "--grad_accum", 1]),
+    "dpo-sharing": (
+        ["--packing", 0, "--batch_size", 4, "--grad_accum", 1],
+        ["--packing", 0, "--batch_size", 2, "--grad_accum", 1],
+    ),
     # packing: one process takes the pairs of both ranks' packed batches as one ordinary batch (the plain mean)
     "dpo-sharing-packing": (["--packing", 0, "--replay_ranks", 2, "--grad_accum", 1], ["--grad_accum", 1]),
-    "reward-sharing-packing": (["--kind", "reward", "--packing", 0, "--replay_ranks", 2, "--grad_accum", 1],
-                               ["--kind", "reward", "--grad_accum", 1]),
+    "reward-sharing-packing": (
+        ["--kind", "reward", "--packing", 0, "--replay_ranks", 2, "--grad_accum", 1],
+        ["--kind", "reward", "--grad_accum", 1],
+    ),
 }
 
 
@@ -68,16 +85,30 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path, se
     assert single[0]["steps"] == double[0]["steps"] == double[1]["steps"] == len(single[0]["losses"]) > 2
     if "packing" in setting:
         assert double[0]["pairs_per_batch"] != double[1]["pairs_per_batch"]
-        assert single[0]["batches"] == [a + b for a, b in zip(double[0]["batches"], double[1]["batches"])]
-    for one, two in zip(single[0]["losses"], double[0]["losses"]):
+        assert single[0]["batches"] == [a + b for a, b in zip(double[0]["batches"], double[1]["batches"], strict=True)]
+    for one, two in zip(single[0]["losses"], double[0]["losses"], strict=True):
         assert two == pytest.approx(one, rel=1e-4, abs=1e-6)
 
 
 @pytest.mark.parametrize("kind,checkpointing", [("dpo", 1), ("reward", 0)])
 def test_fsdp2_sharded_forward_matches_unsharded_stock(kind, checkpointing):
     script = Path(__file__).parent / "fsdp_check.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(script), "--kind", kind, "--checkpointing", str(checkpointing)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(script),
+        "--kind",
+        kind,
+        "--checkpointing",
+        str(checkpointing),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, _failure(proc)
     assert proc.stdout.count("gradients equal under FSDP2") == 2

@@ -15,6 +15,7 @@ from equivalence import (
 import trl_prefix_sharing.attention as attention_module
 from trl_prefix_sharing.testing import FAMILIES, synthetic_pairs
 
+
 DATA = {
     "awkward_text": lambda: (awkward_text_dataset(), {}),
     "truncated_keep_start": lambda: (awkward_text_dataset(), {"max_length": 12}),
@@ -34,8 +35,9 @@ def test_step_matches_stock(tmp_path, tokenizer, family, data):
 
 def test_truncation_keep_end_matches_stock(tmp_path, tokenizer):
     # keep_end cuts each row from the left by its own amount: rows then share no prefix, and must still be exact.
-    stock, shared = make_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer, max_length=10,
-                                  truncation_mode="keep_end")
+    stock, shared = make_trainers(
+        tmp_path, "llama", awkward_text_dataset(), tokenizer, max_length=10, truncation_mode="keep_end"
+    )
     compare_step(stock, shared)
 
 
@@ -50,9 +52,24 @@ def test_wrong_mask_fails(tmp_path, tokenizer, monkeypatch):
 
 
 LOSS_SETTINGS = {
-    **{name: {"loss_types": [name]} for name in [
-        "sigmoid", "hinge", "ipo", "nca_pair", "bco_pair", "sppo_hard", "aot", "aot_unpaired", "apo_zero",
-        "apo_down", "discopop", "sft", "sigmoid_norm"]},
+    **{
+        name: {"loss_types": [name]}
+        for name in [
+            "sigmoid",
+            "hinge",
+            "ipo",
+            "nca_pair",
+            "bco_pair",
+            "sppo_hard",
+            "aot",
+            "aot_unpaired",
+            "apo_zero",
+            "apo_down",
+            "discopop",
+            "sft",
+            "sigmoid_norm",
+        ]
+    },
     "exo_pair": {"loss_types": ["exo_pair"], "label_smoothing": 1e-3},
     "robust": {"loss_types": ["robust"], "label_smoothing": 0.1},
     "aot_smoothed": {"loss_types": ["aot"], "label_smoothing": 0.1},
@@ -75,8 +92,15 @@ def loss_trainers(tmp_path_factory, tokenizer):
 
 @pytest.mark.parametrize("setting", list(LOSS_SETTINGS))
 def test_loss_types_match_stock(loss_trainers, setting):
-    defaults = {"loss_types": ["sigmoid"], "loss_weights": None, "label_smoothing": 0.0, "ld_alpha": None,
-                "use_weighting": False, "f_divergence_type": "reverse_kl", "f_alpha_divergence_coef": 1.0}
+    defaults = {
+        "loss_types": ["sigmoid"],
+        "loss_weights": None,
+        "label_smoothing": 0.0,
+        "ld_alpha": None,
+        "use_weighting": False,
+        "f_divergence_type": "reverse_kl",
+        "f_alpha_divergence_coef": 1.0,
+    }
     values = {**defaults, **LOSS_SETTINGS[setting]}
     values["loss_weights"] = values["loss_weights"] or [1.0] * len(values["loss_types"])
     for trainer in loss_trainers:
@@ -89,8 +113,16 @@ def test_loss_types_match_stock(loss_trainers, setting):
 @pytest.mark.parametrize("packing", [False, True])
 def test_precompute_ref_log_probs_matches_stock(tmp_path, tokenizer, packing):
     dataset = synthetic_pairs(10, (1, 30), (1, 6), seed=4)
-    stock, shared = make_trainers(tmp_path, "qwen3", dataset, tokenizer, ref_model=None, precompute_ref_log_probs=True,
-                                  precompute_ref_batch_size=3, ours={"prefix_sharing": True, "packing": packing})
+    stock, shared = make_trainers(
+        tmp_path,
+        "qwen3",
+        dataset,
+        tokenizer,
+        ref_model=None,
+        precompute_ref_log_probs=True,
+        precompute_ref_batch_size=3,
+        ours={"prefix_sharing": True, "packing": packing},
+    )
     for column in ("ref_chosen_logps", "ref_rejected_logps"):
         expected = torch.tensor(stock.train_dataset[column])
         assert expected.numel() == 10
@@ -104,8 +136,9 @@ def test_reference_reloaded_from_model_path(tmp_path, tokenizer):
     path = tmp_path / "policy"
     make_model("mistral", len(tokenizer), seed=5).save_pretrained(path)
     tokenizer.save_pretrained(path)
-    stock, shared = make_trainers(tmp_path, "mistral", awkward_text_dataset(), tokenizer, model=str(path),
-                                  ref_model=None)
+    stock, shared = make_trainers(
+        tmp_path, "mistral", awkward_text_dataset(), tokenizer, model=str(path), ref_model=None
+    )
     assert shared.ref_model is not None
     compare_step(stock, shared)
 
@@ -114,8 +147,9 @@ def test_peft_lora_matches_stock(tmp_path, tokenizer):
     from peft import LoraConfig
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
-    stock, shared = make_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer, ref_model=None,
-                                  peft_config=lora)
+    stock, shared = make_trainers(
+        tmp_path, "llama", awkward_text_dataset(), tokenizer, ref_model=None, peft_config=lora
+    )
     # move the adapters away from zero so the policy differs from the reference (adapters disabled)
     for trainer in (stock, shared):
         torch.manual_seed(7)
@@ -130,15 +164,23 @@ def test_peft_lora_matches_stock(tmp_path, tokenizer):
 def test_training_and_evaluation_match_stock(tmp_path, tokenizer, gradient_checkpointing):
     train = synthetic_pairs(12, (1, 40), (1, 8), seed=6)
     evaluation = synthetic_pairs(7, (1, 40), (1, 8), seed=7)
-    stock, shared = make_trainers(tmp_path, "llama", train, tokenizer, eval_dataset=evaluation, max_steps=3,
-                                  learning_rate=1e-2, gradient_checkpointing=gradient_checkpointing,
-                                  loss_type=["sigmoid", "sft"])
+    stock, shared = make_trainers(
+        tmp_path,
+        "llama",
+        train,
+        tokenizer,
+        eval_dataset=evaluation,
+        max_steps=3,
+        learning_rate=1e-2,
+        gradient_checkpointing=gradient_checkpointing,
+        loss_type=["sigmoid", "sft"],
+    )
     stock.train()
     shared.train()
     stock_logs = [log for log in stock.state.log_history if "loss" in log]
     shared_logs = [log for log in shared.state.log_history if "loss" in log]
     assert len(stock_logs) == len(shared_logs) == 3
-    for expected, actual in zip(stock_logs, shared_logs):
+    for expected, actual in zip(stock_logs, shared_logs, strict=True):
         for key, value in expected.items():
             assert actual[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
         assert actual["num_shared_tokens"] < actual["num_tokens"]
@@ -157,8 +199,15 @@ def test_prefix_sharing_off_is_stock(tmp_path, tokenizer):
     from trl_prefix_sharing.testing import make_model
 
     model, ref = make_model("qwen2", len(tokenizer)), make_model("qwen2", len(tokenizer), seed=1)
-    stock, trainer = make_trainers(tmp_path, "qwen2", awkward_text_dataset(), tokenizer, model=model, ref_model=ref,
-                                   ours={"prefix_sharing": False})
+    stock, trainer = make_trainers(
+        tmp_path,
+        "qwen2",
+        awkward_text_dataset(),
+        tokenizer,
+        model=model,
+        ref_model=ref,
+        ours={"prefix_sharing": False},
+    )
     assert isinstance(trainer, DPOTrainer) and type(trainer.data_collator) is type(stock.data_collator)
     examples = [trainer.train_dataset[i] for i in range(4)]
     assert "prefix_sharing" not in trainer.data_collator(examples)

@@ -21,8 +21,13 @@ def _random_dataset(seed, n=8):
         prompt = text(0, 40) if rng.random() < 0.8 else text(60, 90)  # some prompts longer than max_length
         chosen = text(0, 12)
         rejected = chosen if rng.random() < 0.15 else (chosen[: len(chosen) // 2] + " " + text(0, 8)).strip()
-        rows.append({"prompt": prompt, "chosen": " " + chosen if chosen else "",
-                     "rejected": " " + rejected if rejected else ""})
+        rows.append(
+            {
+                "prompt": prompt,
+                "chosen": " " + chosen if chosen else "",
+                "rejected": " " + rejected if rejected else "",
+            }
+        )
     return Dataset.from_list(rows)
 
 
@@ -42,15 +47,29 @@ def test_random_awkward_data_matches_stock(tmp_path, tokenizer, seed):
 
 
 BAD_DATASETS = [
-    ([{"prompt": "w1", "chosen": " w2", "rejected": " w3"}, {"prompt": "w1", "chosen": None, "rejected": " w2"}],
-     "train row 1, 'chosen' is None"),
-    ([{"prompt": "w1", "chosen": 4, "rejected": 5}, {"prompt": "w1", "chosen": 6, "rejected": 7}],
-     "train row 0, 'chosen' is of type int"),
-    ([{"prompt": [{"role": "user", "content": "w1"}], "chosen": [{"role": "assistant", "content": "w2"}],
-       "rejected": [{"role": "assistant", "content": "w3"}]},
-      {"prompt": [{"role": "user", "content": "w1"}], "chosen": [], "rejected": [{"role": "assistant",
-                                                                                   "content": "w3"}]}],
-     "train row 1, 'chosen' is an empty list of messages"),
+    (
+        [{"prompt": "w1", "chosen": " w2", "rejected": " w3"}, {"prompt": "w1", "chosen": None, "rejected": " w2"}],
+        "train row 1, 'chosen' is None",
+    ),
+    (
+        [{"prompt": "w1", "chosen": 4, "rejected": 5}, {"prompt": "w1", "chosen": 6, "rejected": 7}],
+        "train row 0, 'chosen' is of type int",
+    ),
+    (
+        [
+            {
+                "prompt": [{"role": "user", "content": "w1"}],
+                "chosen": [{"role": "assistant", "content": "w2"}],
+                "rejected": [{"role": "assistant", "content": "w3"}],
+            },
+            {
+                "prompt": [{"role": "user", "content": "w1"}],
+                "chosen": [],
+                "rejected": [{"role": "assistant", "content": "w3"}],
+            },
+        ],
+        "train row 1, 'chosen' is an empty list of messages",
+    ),
 ]
 
 
@@ -59,14 +78,26 @@ def test_bad_rows_name_the_row(tmp_path, tokenizer, rows, message):
     from equivalence import dpo_args
 
     with pytest.raises(ValueError, match=message):
-        DPOTrainer(model=make_model("llama", len(tokenizer)), args=dpo_args(tmp_path, True),
-                   train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+        DPOTrainer(
+            model=make_model("llama", len(tokenizer)),
+            args=dpo_args(tmp_path, True),
+            train_dataset=Dataset.from_list(rows),
+            processing_class=tokenizer,
+        )
 
 
 @pytest.mark.parametrize("margin", [float("nan"), float("inf")])
 def test_non_finite_margin_names_the_row(tmp_path, tokenizer, margin):
-    dataset = Dataset.from_list([{"prompt": "w1", "chosen": " w2", "rejected": " w3", "margin": 0.5},
-                                 {"prompt": "w1", "chosen": " w2", "rejected": " w3", "margin": margin}])
+    dataset = Dataset.from_list(
+        [
+            {"prompt": "w1", "chosen": " w2", "rejected": " w3", "margin": 0.5},
+            {"prompt": "w1", "chosen": " w2", "rejected": " w3", "margin": margin},
+        ]
+    )
     with pytest.raises(ValueError, match="train row 1: 'margin' is"):
-        RewardTrainer(model=make_reward_model("llama", tokenizer), args=reward_args(tmp_path, {"prefix_sharing": True}),
-                      train_dataset=dataset, processing_class=tokenizer)
+        RewardTrainer(
+            model=make_reward_model("llama", tokenizer),
+            args=reward_args(tmp_path, {"prefix_sharing": True}),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )

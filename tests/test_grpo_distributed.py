@@ -14,8 +14,22 @@ from test_distributed import _failure, _free_port
 
 def _launch(out, prefix_sharing):
     script = Path(__file__).parent / "distributed_grpo.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(script), "--out", str(out), "--prefix_sharing", str(prefix_sharing)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(script),
+        "--out",
+        str(out),
+        "--prefix_sharing",
+        str(prefix_sharing),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, _failure(proc)
     return [json.loads((out / f"rank{r}-{prefix_sharing}.json").read_text()) for r in range(2)]
@@ -24,15 +38,16 @@ def _launch(out, prefix_sharing):
 def test_two_process_grpo_matches_stock(tmp_path):
     stock, shared = _launch(tmp_path, 0), _launch(tmp_path, 1)
     assert all(rank["world"] == 2 for rank in stock + shared)
-    for a, b in zip(stock, shared):
+    for a, b in zip(stock, shared, strict=True):
         assert len(a["logs"]) == len(b["logs"]) == 2
-        for log_a, log_b in zip(a["logs"], b["logs"]):
+        for log_a, log_b in zip(a["logs"], b["logs"], strict=True):
             compared = [k for k in log_a if k not in UNCOMPARED]
             assert len(compared) > 10
             for key in compared:
                 assert log_b[key] == pytest.approx(log_a[key], rel=1e-4, abs=1e-5), key
         assert a["weights"].keys() == b["weights"].keys()
         for name in a["weights"]:
-            torch.testing.assert_close(torch.tensor(b["weights"][name]), torch.tensor(a["weights"][name]),
-                                       atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(
+                torch.tensor(b["weights"][name]), torch.tensor(a["weights"][name]), atol=1e-5, rtol=1e-4
+            )
     assert shared[0]["logs"][-1]["num_shared_tokens"] < stock[0]["logs"][-1]["num_tokens"]

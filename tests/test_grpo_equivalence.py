@@ -36,24 +36,35 @@ def crafted_batch(tokenizer):
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     prompts = {"a": ids("w1 w2 w3 w4 w5"), "b": ids("w9"), "c": ids("w10 w11 w12 w13 w14 w15 w16 w17 w18 w19 w20 w21")}
-    rows = [("a", "w30 w31 w32 <eos>"), ("a", "w33 <eos>"), ("b", "w40 w41 w42 w43 w44 <eos>"),
-            ("a", "w30 w31 w32 <eos>"), ("c", "w50 w51 w52"), ("b", ""), ("a", "w30 w31 w35 w36 w37 <eos>"),
-            ("c", "w50 w51 w60 <eos>"), ("b", "w40 <eos>")]
+    rows = [
+        ("a", "w30 w31 w32 <eos>"),
+        ("a", "w33 <eos>"),
+        ("b", "w40 w41 w42 w43 w44 <eos>"),
+        ("a", "w30 w31 w32 <eos>"),
+        ("c", "w50 w51 w52"),
+        ("b", ""),
+        ("a", "w30 w31 w35 w36 w37 <eos>"),
+        ("c", "w50 w51 w60 <eos>"),
+        ("b", "w40 <eos>"),
+    ]
     prompt_length = max(len(p) for p in prompts.values())
     completion_length = max(len(ids(c)) for _, c in rows)
     input_ids, attention_mask = [], []
     for prompt, completion in rows:
         p, c = prompts[prompt], ids(completion)
         input_ids.append([pad] * (prompt_length - len(p)) + p + c + [pad] * (completion_length - len(c)))
-        attention_mask.append([0] * (prompt_length - len(p)) + [1] * (len(p) + len(c)) + [0] * (completion_length - len(c)))
+        attention_mask.append(
+            [0] * (prompt_length - len(p)) + [1] * (len(p) + len(c)) + [0] * (completion_length - len(c))
+        )
     return torch.tensor(input_ids), torch.tensor(attention_mask), completion_length
 
 
 def logps_and_grads(trainer, input_ids, attention_mask, logits_to_keep):
     """Per-token log-probs and entropies of the rows, and the gradients of a weighted sum of the log-probs."""
     trainer.model.zero_grad(set_to_none=True)
-    logps, entropies, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask,
-                                                                    logits_to_keep, batch_size=5, compute_entropy=True)
+    logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
+        trainer.model, input_ids, attention_mask, logits_to_keep, batch_size=5, compute_entropy=True
+    )
     mask = attention_mask[:, -logits_to_keep:].float()
     weights = torch.linspace(-1, 1, mask.numel(), device=mask.device).view_as(mask)
     (logps * mask * weights).sum().backward()
@@ -64,8 +75,10 @@ def logps_and_grads(trainer, input_ids, attention_mask, logits_to_keep):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_crafted_batch_log_probs_and_gradients_match_stock(tmp_path, tokenizer, model_dirs, family):
     input_ids, attention_mask, keep = crafted_batch(tokenizer)
-    stock, shared = (make_group_trainer("grpo", ours, model_dirs[family], prompt_dataset(), tokenizer, tmp_path)
-                     for ours in (False, True))
+    stock, shared = (
+        make_group_trainer("grpo", ours, model_dirs[family], prompt_dataset(), tokenizer, tmp_path)
+        for ours in (False, True)
+    )
     expected, got = (logps_and_grads(t, input_ids, attention_mask, keep) for t in (stock, shared))
     assert expected[0].abs().sum() > 0 and expected[2]
     torch.testing.assert_close(got[0], expected[0], atol=1e-5, rtol=1e-5)
@@ -84,8 +97,10 @@ def test_wrong_mask_fails(tmp_path, tokenizer, model_dirs, monkeypatch):
     from equivalence import leaky_dpo_mask
 
     input_ids, attention_mask, keep = crafted_batch(tokenizer)
-    stock, shared = (make_group_trainer("grpo", ours, model_dirs["llama"], prompt_dataset(), tokenizer, tmp_path)
-                     for ours in (False, True))
+    stock, shared = (
+        make_group_trainer("grpo", ours, model_dirs["llama"], prompt_dataset(), tokenizer, tmp_path)
+        for ours in (False, True)
+    )
     expected = logps_and_grads(stock, input_ids, attention_mask, keep)[0]
     monkeypatch.setattr(attention_module, "dpo_mask", leaky_dpo_mask)
     with pytest.raises(AssertionError):
@@ -94,9 +109,15 @@ def test_wrong_mask_fails(tmp_path, tokenizer, model_dirs, monkeypatch):
 
 def test_shuffle_keeps_groups_and_the_random_stream(tokenizer):
     input_ids, attention_mask, keep = crafted_batch(tokenizer)
-    batch = {"prompt_ids": input_ids[:, :-keep], "prompt_mask": attention_mask[:, :-keep],
-             "completion_ids": input_ids[:, -keep:], "advantages": torch.arange(9.0), "num_items_in_batch":
-             torch.tensor(7), "names": list("abcdefghi"), "images": None}
+    batch = {
+        "prompt_ids": input_ids[:, :-keep],
+        "prompt_mask": attention_mask[:, :-keep],
+        "completion_ids": input_ids[:, -keep:],
+        "advantages": torch.arange(9.0),
+        "num_items_in_batch": torch.tensor(7),
+        "names": list("abcdefghi"),
+        "images": None,
+    }
     torch.manual_seed(3)
     shuffled = shuffle_keeping_groups(batch)
     after_ours = torch.rand(4)
@@ -116,8 +137,14 @@ def run_pair(kind, tmp_path, model, tokenizer, dataset=None, peft_config=None, *
     import copy
 
     dataset = dataset if dataset is not None else prompt_dataset()
-    return [train(make_group_trainer(kind, ours, model, dataset, tokenizer, tmp_path,
-                                     peft_config=copy.deepcopy(peft_config), **overrides)) for ours in (False, True)]
+    return [
+        train(
+            make_group_trainer(
+                kind, ours, model, dataset, tokenizer, tmp_path, peft_config=copy.deepcopy(peft_config), **overrides
+            )
+        )
+        for ours in (False, True)
+    ]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen3 and mistral train in the option tests below
@@ -128,13 +155,17 @@ def test_grpo_training_matches_stock(tmp_path, tokenizer, model_dirs, family):
     assert shared[0][-1]["num_shared_tokens"] < sum(log["num_tokens"] for log in stock[0][-1:])
 
 
-@pytest.mark.parametrize("setting", [
-    {"loss_type": "grpo", "top_entropy_quantile": 0.5},
-    {"beta": 0.1},
-    {"num_iterations": 2, "beta": 0.1, "loss_type": "bnpo"},
-    {"conversational": True, "beta": 0.05},
-    {"mask_truncated_completions": True, "max_completion_length": 3, "scale_rewards": "batch"},
-], ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"loss_type": "grpo", "top_entropy_quantile": 0.5},
+        {"beta": 0.1},
+        {"num_iterations": 2, "beta": 0.1, "loss_type": "bnpo"},
+        {"conversational": True, "beta": 0.05},
+        {"mask_truncated_completions": True, "max_completion_length": 3, "scale_rewards": "batch"},
+    ],
+    ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()),
+)
 def test_grpo_options_match_stock(tmp_path, tokenizer, model_dirs, setting):
     setting = dict(setting)
     dataset = prompt_dataset(conversational=setting.pop("conversational", False))
@@ -151,8 +182,9 @@ def test_lora_matches_stock(tmp_path, tokenizer, model_dirs):
     from peft import LoraConfig
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    stock, shared = run_pair("grpo", tmp_path, model_dirs["llama"], tokenizer, peft_config=lora, beta=0.1,
-                             learning_rate=1e-2)
+    stock, shared = run_pair(
+        "grpo", tmp_path, model_dirs["llama"], tokenizer, peft_config=lora, beta=0.1, learning_rate=1e-2
+    )
     assert_same_runs(stock, shared)
 
 
@@ -172,8 +204,16 @@ def test_accumulation_matches_plain_stock_where_micro_batches_cannot_matter(tmp_
     gradient, the samples and rewards, and the final weights are the same; per-micro-batch means (entropy, kl, clip
     ratios) are averaged over other micro-batches, so they are not compared."""
     stock, shared = run_pair("grpo", tmp_path, model_dirs["llama"], tokenizer, **ACCUMULATION)
-    keys = {"loss", "grad_norm", "num_tokens", "reward", "reward_std", "completions/mean_length",
-            "rewards/reward_length/mean", "rewards/reward_digits/mean"}
+    keys = {
+        "loss",
+        "grad_norm",
+        "num_tokens",
+        "reward",
+        "reward_std",
+        "completions/mean_length",
+        "rewards/reward_length/mean",
+        "rewards/reward_digits/mean",
+    }
     assert_same_runs(stock, shared, keys=keys)
 
 
@@ -183,5 +223,10 @@ def test_unsupported_model_is_refused_before_training(tmp_path, tokenizer):
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", prefix_sharing=True)
     bloom = BloomForCausalLM(BloomConfig(vocab_size=len(tokenizer), hidden_size=32, n_layer=1, n_head=2))
     with pytest.raises(ValueError, match="'bloom'.*ALiBi"):
-        GRPOTrainer(model=bloom, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], args=args,
-                    train_dataset=prompt_dataset(), processing_class=tokenizer)
+        GRPOTrainer(
+            model=bloom,
+            reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+            args=args,
+            train_dataset=prompt_dataset(),
+            processing_class=tokenizer,
+        )

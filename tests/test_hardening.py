@@ -16,22 +16,33 @@ def _losses(trainer):
 
 
 def test_resume_mid_epoch_sees_the_same_batches(tmp_path, tokenizer):
-    """A run resumed from a mid-epoch checkpoint (packing sampler included) continues exactly as an uninterrupted one."""
+    """A run resumed from a mid-epoch checkpoint (packing sampler included) continues exactly as an uninterrupted
+    one."""
     dataset = synthetic_pairs(20, (5, 60), (1, 10), seed=50)
     model, ref = make_model("llama", len(tokenizer), seed=0), make_model("llama", len(tokenizer), seed=1)
     ours = {"prefix_sharing": True, "packing": True}
-    common = dict(per_device_train_batch_size=2, num_train_epochs=2, save_strategy="steps", save_steps=3,
-                  learning_rate=1e-3)
-    full = DPOTrainer(model=model, ref_model=ref, args=dpo_args(tmp_path, ours, **common), train_dataset=dataset,
-                      processing_class=tokenizer)
+    common = dict(
+        per_device_train_batch_size=2, num_train_epochs=2, save_strategy="steps", save_steps=3, learning_rate=1e-3
+    )
+    full = DPOTrainer(
+        model=model,
+        ref_model=ref,
+        args=dpo_args(tmp_path, ours, **common),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
     steps_per_epoch = len(full.get_train_dataloader())
     assert steps_per_epoch > 3  # the checkpoint at step 3 is mid-epoch
     full.train()
     expected = _losses(full)
     checkpoint = f"{full.args.output_dir}/checkpoint-3"
-    resumed = DPOTrainer(model=make_model("llama", len(tokenizer), seed=0), ref_model=make_model("llama", len(tokenizer),
-                                                                                                 seed=1),
-                         args=dpo_args(tmp_path, ours, **common), train_dataset=dataset, processing_class=tokenizer)
+    resumed = DPOTrainer(
+        model=make_model("llama", len(tokenizer), seed=0),
+        ref_model=make_model("llama", len(tokenizer), seed=1),
+        args=dpo_args(tmp_path, ours, **common),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
     resumed.train(resume_from_checkpoint=checkpoint)
     got = _losses(resumed)
     later = [step for step in expected if step > 3]
@@ -69,7 +80,7 @@ def _bf16_log_probs(tmp_path, tokenizer, family, dataset):
     model = make_model(family, len(tokenizer)).to(torch.bfloat16)
     ref = make_model(family, len(tokenizer), seed=1).to(torch.bfloat16)
     stock, shared = make_trainers(tmp_path, family, dataset, tokenizer, model=model, ref_model=ref)
-    examples = [row for row in stock.train_dataset]
+    examples = list(stock.train_dataset)
     results = []
     for trainer in (stock, shared):
         batch = trainer._prepare_inputs(trainer.data_collator(examples))
@@ -79,7 +90,7 @@ def _bf16_log_probs(tmp_path, tokenizer, family, dataset):
 
 
 def _assert_bf16_close(stock_logps, shared_logps):
-    for expected, got in zip(stock_logps, shared_logps):
+    for expected, got in zip(stock_logps, shared_logps, strict=True):
         assert expected.numel() > 0  # TRL's fused head sums the per-token log-probs in fp32
         torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=BF16_SUM_ATOL)
 
@@ -119,16 +130,25 @@ def test_qlora_4bit_matches_stock(tmp_path, tokenizer):
 
     path = tmp_path / "base"
     make_model("qwen2", len(tokenizer), seed=3).save_pretrained(path)
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                      bnb_4bit_compute_dtype=torch.float32)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"],
-                      lora_dropout=0.0)
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"], lora_dropout=0.0
+    )
     trainers = []
     for ours in (None, True):
         model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, dtype=torch.float32)
         cls = trl.DPOTrainer if ours is None else DPOTrainer
-        trainers.append(cls(model=model, args=dpo_args(tmp_path, ours, gradient_checkpointing=False),
-                            train_dataset=awkward_text_dataset(), processing_class=tokenizer, peft_config=lora))
+        trainers.append(
+            cls(
+                model=model,
+                args=dpo_args(tmp_path, ours, gradient_checkpointing=False),
+                train_dataset=awkward_text_dataset(),
+                processing_class=tokenizer,
+                peft_config=lora,
+            )
+        )
     assert any("4bit" in type(m).__name__ for m in trainers[1].model.modules())
     for trainer in trainers:  # adapters away from zero, identically, so the policy differs from the reference
         torch.manual_seed(7)

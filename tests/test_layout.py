@@ -9,7 +9,9 @@ def _stock(rows, prompt_lens, pad=0):
     width = max(len(r) for r in rows)
     ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
     attn = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-    cm = torch.tensor([[0] * p + [1] * (len(r) - p) + [0] * (width - len(r)) for r, p in zip(rows, prompt_lens)])
+    cm = torch.tensor(
+        [[0] * p + [1] * (len(r) - p) + [0] * (width - len(r)) for r, p in zip(rows, prompt_lens, strict=True)]
+    )
     return ids, attn, cm
 
 
@@ -70,8 +72,9 @@ def test_prompt_and_completion_never_merged():
 def test_k_way_groups_and_packing_rows():
     rows = [[1, 2, 3, 7], [1, 2, 3, 8, 8], [1, 2, 3, 9], [4, 5, 6], [4, 5, 7]]
     ids, attn, cm = _stock(rows, [3, 3, 3, 2, 2])
-    layout = build_shared_batch(ids, attn, [[0, 1, 2], [3, 4]], completion_mask=cm, rows=[[0, 1]],
-                                pad_to_multiple_of=16)
+    layout = build_shared_batch(
+        ids, attn, [[0, 1, 2], [3, 4]], completion_mask=cm, rows=[[0, 1]], pad_to_multiple_of=16
+    )
     assert layout["input_ids"].shape == (1, 16)
     # document 0: prefix [1, 2] + branches [3, 7], [3, 8, 8], [3, 9]; document 1: prefix [4] + [5, 6], [5, 7]
     assert layout["document_ids"].tolist()[0] == [0] * 9 + [1] * 5 + [-1] * 2

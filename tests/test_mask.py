@@ -66,8 +66,11 @@ def _random_layout(rng, rows=3, docs=3):
 @pytest.mark.parametrize("seed", range(10))
 def test_dense_mask_equals_brute_force(seed):
     layout = _random_layout(random.Random(seed))
-    mask = dense_mask(dpo_mask(layout["document_ids"], layout["branch_ids"]), *layout["document_ids"].shape,
-                      layout["document_ids"].shape[1])
+    mask = dense_mask(
+        dpo_mask(layout["document_ids"], layout["branch_ids"]),
+        *layout["document_ids"].shape,
+        layout["document_ids"].shape[1],
+    )
     assert mask.numel() > 0
     assert torch.equal(mask, _brute_force(layout["document_ids"], layout["branch_ids"]))
 

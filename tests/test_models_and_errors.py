@@ -66,10 +66,16 @@ def test_remove_prefix_sharing_restores_forward(tmp_path, tokenizer):
     assert "prefix_sharing" not in batch
 
 
-@pytest.mark.parametrize("family,config_kwargs", [
-    ("llama", {}),
-    ("qwen3", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),  # a BlockMask per layer type
-])
+@pytest.mark.parametrize(
+    "family,config_kwargs",
+    [
+        ("llama", {}),
+        (
+            "qwen3",
+            {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
+        ),  # a BlockMask per layer type
+    ],
+)
 def test_flex_attention_through_the_model_matches_stock(tmp_path, tokenizer, family, config_kwargs):
     """CUDA's default path, FlexAttention with the BlockMask through transformers' own `flex_attention`, runs forward
     on CPU too (no backward there): the prefix-shared log-probs through it equal stock TRL's."""
@@ -87,7 +93,7 @@ def test_flex_attention_through_the_model_matches_stock(tmp_path, tokenizer, fam
     masks = batch["prefix_sharing"]["attention_mask"]
     masks = masks.values() if isinstance(masks, dict) else [masks]
     assert all(isinstance(mask, BlockMask) for mask in masks)
-    for expected, got in zip(*results):
+    for expected, got in zip(*results, strict=True):
         assert expected.numel() > 0
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
@@ -105,8 +111,12 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path, tokenizer):
 
     model = BloomForCausalLM(BloomConfig(vocab_size=len(tokenizer), hidden_size=32, n_layer=1, n_head=2))
     with pytest.raises(ValueError, match="'bloom'.*ALiBi"):
-        DPOTrainer(model=model, args=dpo_args(tmp_path, True), train_dataset=awkward_text_dataset(),
-                   processing_class=tokenizer)
+        DPOTrainer(
+            model=model,
+            args=dpo_args(tmp_path, True),
+            train_dataset=awkward_text_dataset(),
+            processing_class=tokenizer,
+        )
 
 
 def test_padding_free_is_a_clear_error(tmp_path):
@@ -124,13 +134,20 @@ def test_padding_free_is_a_clear_error(tmp_path):
 def test_bad_datasets_are_clear_errors(tmp_path, tokenizer, rows, match):
     model = make_model("llama", len(tokenizer))
     with pytest.raises(ValueError, match=match):
-        DPOTrainer(model=model, args=dpo_args(tmp_path, True), train_dataset=Dataset.from_list(rows),
-                   processing_class=tokenizer)
+        DPOTrainer(
+            model=model,
+            args=dpo_args(tmp_path, True),
+            train_dataset=Dataset.from_list(rows),
+            processing_class=tokenizer,
+        )
 
 
 def test_empty_prompt_is_exact_and_documented(tmp_path, tokenizer):
     """An empty prompt gives no shared prefix: the pair runs as two sequences in one row, with stock's numbers."""
-    rows = [{"prompt": "", "chosen": " w1 w2", "rejected": " w3"}, {"prompt": "", "chosen": " w4", "rejected": " w4 w5"}]
+    rows = [
+        {"prompt": "", "chosen": " w1 w2", "rejected": " w3"},
+        {"prompt": "", "chosen": " w4", "rejected": " w4 w5"},
+    ]
     stock, shared = make_trainers(tmp_path, "llama", Dataset.from_list(rows), tokenizer)
     compare_step(stock, shared)
 
@@ -139,9 +156,13 @@ def test_prompt_learning_peft_is_a_clear_error(tmp_path, tokenizer):
     from peft import PromptTuningConfig
 
     with pytest.raises(ValueError, match="prompt-learning"):
-        DPOTrainer(model=make_model("llama", len(tokenizer)), args=dpo_args(tmp_path, True),
-                   train_dataset=awkward_text_dataset(), processing_class=tokenizer,
-                   peft_config=PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+        DPOTrainer(
+            model=make_model("llama", len(tokenizer)),
+            args=dpo_args(tmp_path, True),
+            train_dataset=awkward_text_dataset(),
+            processing_class=tokenizer,
+            peft_config=PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2),
+        )
 
 
 def test_custom_collator_that_changes_the_batch_is_refused(tmp_path, tokenizer):

@@ -21,25 +21,44 @@ from trl_prefix_sharing.testing import FAMILIES, make_model
 def make_trainers(tmp_path, family, tokenizer, dataset=None, peft_config=None, **overrides):
     model = make_model(family, len(tokenizer), seed=0)
     ref = None if peft_config is not None else make_model(family, len(tokenizer), seed=1)
-    kwargs = dict(per_device_train_batch_size=4, max_new_tokens=6, bf16=False, use_cpu=True, report_to="none",
-                  logging_steps=1, save_strategy="no", seed=0, max_steps=2, learning_rate=1e-3)
+    kwargs = dict(
+        per_device_train_batch_size=4,
+        max_new_tokens=6,
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        max_steps=2,
+        learning_rate=1e-3,
+    )
     kwargs.update(overrides)
     trainers = []
-    for cls, config, ours in ((StockTrainer, StockConfig, {}), (OnlineDPOTrainer, OnlineDPOConfig,
-                                                                {"prefix_sharing": True})):
-        trainers.append(cls(model=copy.deepcopy(model), ref_model=copy.deepcopy(ref),
-                            reward_funcs=[reward_length, reward_digits],
-                            args=config(output_dir=str(tmp_path / f"run{len(trainers)}"), **ours, **kwargs),
-                            train_dataset=dataset if dataset is not None else prompt_dataset(),
-                            processing_class=tokenizer, peft_config=copy.deepcopy(peft_config)))
+    for cls, config, ours in (
+        (StockTrainer, StockConfig, {}),
+        (OnlineDPOTrainer, OnlineDPOConfig, {"prefix_sharing": True}),
+    ):
+        trainers.append(
+            cls(
+                model=copy.deepcopy(model),
+                ref_model=copy.deepcopy(ref),
+                reward_funcs=[reward_length, reward_digits],
+                args=config(output_dir=str(tmp_path / f"run{len(trainers)}"), **ours, **kwargs),
+                train_dataset=dataset if dataset is not None else prompt_dataset(),
+                processing_class=tokenizer,
+                peft_config=copy.deepcopy(peft_config),
+            )
+        )
     return trainers
 
 
 def forward_and_grads(trainer, input_ids, attention_mask, keep):
     """`_forward` log-probs of every completion column (as stock returns them) and gradients of a weighted sum."""
     trainer.model.zero_grad(set_to_none=True)
-    logps = trainer._forward(trainer.model, input_ids[:, :-keep], attention_mask[:, :-keep], input_ids[:, -keep:],
-                             attention_mask[:, -keep:])
+    logps = trainer._forward(
+        trainer.model, input_ids[:, :-keep], attention_mask[:, :-keep], input_ids[:, -keep:], attention_mask[:, -keep:]
+    )
     (logps * torch.linspace(-1, 1, logps.numel(), device=logps.device).view_as(logps)).sum().backward()
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     return logps.detach(), grads
@@ -49,8 +68,9 @@ def test_forward_scores_every_column_as_stock(tmp_path, tokenizer):
     input_ids, attention_mask, keep = crafted_batch(tokenizer)
     for family in FAMILIES:
         stock, shared = make_trainers(tmp_path / family, family, tokenizer)
-        (expected, expected_grads), (got, grads) = (forward_and_grads(t, input_ids, attention_mask, keep)
-                                                    for t in (stock, shared))
+        (expected, expected_grads), (got, grads) = (
+            forward_and_grads(t, input_ids, attention_mask, keep) for t in (stock, shared)
+        )
         padding = attention_mask[:, -keep:] == 0
         assert expected.shape == got.shape and padding.any() and (~padding).any() and expected_grads
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)  # padding columns included
@@ -80,10 +100,17 @@ def train(trainer):
     return logs, {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("setting", [{}, {"conversational": True, "gradient_accumulation_steps": 2, "max_steps": 1},
-                                     # stock TRL 1.16 indexes a `beta` list with the float epoch: one step only
-                                     {"loss_type": "ipo", "beta": [0.2, 0.1], "max_steps": 1}, {"lora": True}],
-                         ids=["text", "conversational-accumulation", "ipo-beta-schedule", "lora"])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {},
+        {"conversational": True, "gradient_accumulation_steps": 2, "max_steps": 1},
+        # stock TRL 1.16 indexes a `beta` list with the float epoch: one step only
+        {"loss_type": "ipo", "beta": [0.2, 0.1], "max_steps": 1},
+        {"lora": True},
+    ],
+    ids=["text", "conversational-accumulation", "ipo-beta-schedule", "lora"],
+)
 def test_training_matches_stock(tmp_path, tokenizer, setting):
     setting = dict(setting)
     dataset = prompt_dataset(conversational=setting.pop("conversational", False))
@@ -96,7 +123,7 @@ def test_training_matches_stock(tmp_path, tokenizer, setting):
     stock, shared = (train(t) for t in make_trainers(tmp_path, "qwen2", tokenizer, dataset, peft_config, **setting))
     assert len(stock[0]) == len(shared[0]) > 0
     compared = 0
-    for a, b in zip(stock[0], shared[0]):
+    for a, b in zip(stock[0], shared[0], strict=True):
         for key, value in a.items():
             if key not in UNCOMPARED and isinstance(value, (int, float)):
                 assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key

@@ -4,7 +4,6 @@ metrics equal stock's per-pair means; the Trainer uses the multipack sampler."""
 import pytest
 import torch
 from equivalence import assert_same_eval_metrics, assert_same_step, awkward_text_dataset, make_trainers, step
-
 from transformers.trainer_pt_utils import BatchRebalanceSampler
 
 from trl_prefix_sharing.testing import synthetic_pairs
@@ -33,12 +32,17 @@ def _packed_step(trainer, micro_batches):
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_packed_logps_and_gradient_equal_stock(tmp_path, tokenizer, family, prefix_sharing, rows):
     dataset = awkward_text_dataset()
-    stock, packed = make_trainers(tmp_path, family, dataset, tokenizer, ours={"packing": True, "packing_length": 512,
-                                                                     "prefix_sharing": prefix_sharing})
+    stock, packed = make_trainers(
+        tmp_path,
+        family,
+        dataset,
+        tokenizer,
+        ours={"packing": True, "packing_length": 512, "prefix_sharing": prefix_sharing},
+    )
     assert packed.data_collator.packing_row_length == "batch"  # dense (SDPA) backend: several rows per batch
     if rows == "one_row":  # FlexAttention's layout: the whole batch in one row of packing_length
         packed.data_collator.packing_row_length = None
-    examples = [dataset_row for dataset_row in stock.train_dataset]
+    examples = list(stock.train_dataset)
     stock_result = step(stock, examples)
     # one optimizer step of one micro-batch on one rank, as `get_batch_samples` counts it before the step (scale 1)
     packed._pairs_in_window, packed.current_gradient_accumulation_steps = len(examples), 1
@@ -62,11 +66,13 @@ def test_packed_logps_and_gradient_equal_stock(tmp_path, tokenizer, family, pref
 
 def test_gradient_accumulation_weighs_every_pair_equally(tmp_path, tokenizer):
     dataset = synthetic_pairs(10, (1, 30), (1, 6), seed=11)
-    stock, packed = make_trainers(tmp_path, "mistral", dataset, tokenizer,
-                                  ours={"prefix_sharing": True, "packing": True, "packing_length": 512})
-    examples = [row for row in stock.train_dataset]
+    stock, packed = make_trainers(
+        tmp_path, "mistral", dataset, tokenizer, ours={"prefix_sharing": True, "packing": True, "packing_length": 512}
+    )
+    examples = list(stock.train_dataset)
     stock_result = step(stock, examples)  # one stock batch of all 10 pairs
-    # the same pairs in two packed micro-batches of 3 and 7 pairs: plain per-micro-batch means would weigh them unequally
+    # the same pairs in two packed micro-batches of 3 and 7 pairs: plain per-micro-batch means would weigh them
+    # unequally
     loss, grads = _packed_step(packed, [examples[:3], examples[3:]])
     torch.testing.assert_close(loss, stock_result["loss"], atol=1e-5, rtol=1e-5)
     assert grads
@@ -78,9 +84,15 @@ def test_evaluate_with_packing_equals_stock_per_pair_means(tmp_path, tokenizer):
     train = synthetic_pairs(8, (1, 30), (1, 6), seed=12)
     evaluation = synthetic_pairs(11, (1, 40), (1, 8), seed=13)
     # stock evaluates all 11 pairs in one batch: its metrics are the per-pair (and per-token) means of the dataset
-    stock, packed = make_trainers(tmp_path, "qwen2", train, tokenizer, eval_dataset=evaluation,
-                                  per_device_eval_batch_size=16,
-                                  ours={"prefix_sharing": True, "packing": True, "packing_length": 128})
+    stock, packed = make_trainers(
+        tmp_path,
+        "qwen2",
+        train,
+        tokenizer,
+        eval_dataset=evaluation,
+        per_device_eval_batch_size=16,
+        ours={"prefix_sharing": True, "packing": True, "packing_length": 128},
+    )
     stock_metrics = stock.evaluate()
     eval_loader = packed.get_eval_dataloader()
     assert len(eval_loader) > 2  # the packed evaluation really runs several rows with different numbers of pairs
@@ -91,10 +103,19 @@ def test_training_uses_the_multipack_sampler(tmp_path, tokenizer):
     from trl_prefix_sharing.sampler import MultipackSampler
 
     dataset = synthetic_pairs(24, (5, 60), (1, 10), seed=14)
-    _, packed = make_trainers(tmp_path, "llama", dataset, tokenizer, num_train_epochs=2, per_device_train_batch_size=4,
-                              ours={"prefix_sharing": True, "packing": True})
+    _, packed = make_trainers(
+        tmp_path,
+        "llama",
+        dataset,
+        tokenizer,
+        num_train_epochs=2,
+        per_device_train_batch_size=4,
+        ours={"prefix_sharing": True, "packing": True},
+    )
     loader = packed.get_train_dataloader()
-    sampler = loader.batch_sampler.batch_sampler if hasattr(loader.batch_sampler, "batch_sampler") else loader.batch_sampler
+    sampler = (
+        loader.batch_sampler.batch_sampler if hasattr(loader.batch_sampler, "batch_sampler") else loader.batch_sampler
+    )
     assert isinstance(sampler, MultipackSampler)
     assert packed.data_collator.packing_length % 128 == 0
     assert sampler.efficiency() > 0.5
@@ -107,8 +128,13 @@ def test_training_uses_the_multipack_sampler(tmp_path, tokenizer):
 
 
 def test_over_long_example_for_packing_length_is_a_clear_error(tmp_path, tokenizer):
-    _, packed = make_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer,
-                              ours={"prefix_sharing": True, "packing": True, "packing_length": 32})
+    _, packed = make_trainers(
+        tmp_path,
+        "llama",
+        awkward_text_dataset(),
+        tokenizer,
+        ours={"prefix_sharing": True, "packing": True, "packing_length": 32},
+    )
     with pytest.raises(ValueError, match=r"Item \d+ has length \d+, more than max_tokens=32"):
         packed.get_train_dataloader()
 
@@ -134,9 +160,17 @@ def test_training_loop_with_accumulation_equals_stock_on_the_same_pairs(tmp_path
     of each window) logs the losses and reaches the weights of stock TRL trained on ordinary batches of the same pairs:
     every pair weighs the same although the packed micro-batches hold different numbers of pairs."""
     dataset = synthetic_pairs(20, (5, 60), (1, 10), seed=15)
-    stock, packed = make_trainers(tmp_path, "llama", dataset, tokenizer, learning_rate=1e-3, num_train_epochs=1,
-                                  gradient_accumulation_steps=2, per_device_train_batch_size=2,
-                                  ours={"prefix_sharing": True, "packing": True})
+    stock, packed = make_trainers(
+        tmp_path,
+        "llama",
+        dataset,
+        tokenizer,
+        learning_rate=1e-3,
+        num_train_epochs=1,
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=2,
+        ours={"prefix_sharing": True, "packing": True},
+    )
     micro = [list(b) for b in packed._get_train_sampler()]
     assert len({len(b) for b in micro}) > 1 and len(micro) >= 4  # unequal numbers of pairs per micro-batch
     windows = [micro[i] + micro[i + 1] if i + 1 < len(micro) else micro[i] for i in range(0, len(micro), 2)]
@@ -149,7 +183,7 @@ def test_training_loop_with_accumulation_equals_stock_on_the_same_pairs(tmp_path
     packed_losses = [log["loss"] for log in packed.state.log_history if "loss" in log]
     assert len(stock_losses) == len(windows) > 1
     assert packed_losses == pytest.approx(stock_losses, rel=1e-4, abs=1e-6)
-    for (name, expected), got in zip(stock.model.named_parameters(), packed.model.parameters()):
+    for (name, expected), got in zip(stock.model.named_parameters(), packed.model.parameters(), strict=True):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
@@ -159,8 +193,14 @@ def test_batch_level_loss_types_with_packing_warn(tmp_path, tokenizer):
     import trl_prefix_sharing.dpo_trainer as dpo_module
 
     with CaptureLogger(dpo_module.logger) as captured:
-        make_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer, loss_type=["sigmoid", "sft"],
-                      ours={"prefix_sharing": True, "packing": True})
+        make_trainers(
+            tmp_path,
+            "llama",
+            awkward_text_dataset(),
+            tokenizer,
+            loss_type=["sigmoid", "sft"],
+            ours={"prefix_sharing": True, "packing": True},
+        )
     assert "Loss types ['sft'] look at the whole batch" in captured.out
 
 
@@ -171,14 +211,23 @@ def test_mask_that_forgets_documents_fails(tmp_path, tokenizer, monkeypatch):
     import trl_prefix_sharing.attention as attention_module
     from trl_prefix_sharing.mask import causal, prefix_or_same_branch
 
-    stock, packed = make_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer,
-                                  ours={"prefix_sharing": True, "packing": True, "packing_length": 512})
+    stock, packed = make_trainers(
+        tmp_path,
+        "llama",
+        awkward_text_dataset(),
+        tokenizer,
+        ours={"prefix_sharing": True, "packing": True, "packing_length": 512},
+    )
     packed.data_collator.packing_row_length = None  # all examples in one row
-    examples = [row for row in stock.train_dataset]
+    examples = list(stock.train_dataset)
     stock_result = step(stock, examples)
     assert_same_step(stock_result, step(packed, examples))  # the real mask passes
-    monkeypatch.setattr(attention_module, "dpo_mask",
-                        lambda document_ids, branch_ids, position_ids=None, window=None, key_visible=None: and_masks(
-                            causal, prefix_or_same_branch(branch_ids)))
+    monkeypatch.setattr(
+        attention_module,
+        "dpo_mask",
+        lambda document_ids, branch_ids, position_ids=None, window=None, key_visible=None: and_masks(
+            causal, prefix_or_same_branch(branch_ids)
+        ),
+    )
     with pytest.raises(AssertionError):
         assert_same_step(stock_result, step(packed, examples))

@@ -28,7 +28,10 @@ def _with_margin(dataset):
 def _empty_prompts():
     """Rows with no common prefix at all (empty prompt, completions differing from their first token), and rows
     over max_length, which the reward trainer drops whole, like stock TRL."""
-    rows = [{"prompt": "", "chosen": "w2 w3", "rejected": "w4"}, {"prompt": "", "chosen": "w5", "rejected": "w6 w7 w8"}]
+    rows = [
+        {"prompt": "", "chosen": "w2 w3", "rejected": "w4"},
+        {"prompt": "", "chosen": "w5", "rejected": "w6 w7 w8"},
+    ]
     return Dataset.from_list(rows + [dict(row) for row in awkward_text_dataset()])
 
 
@@ -41,7 +44,7 @@ DATA = {
 
 
 def _compare(stock, shared, n=None):
-    examples = [row for row in stock.train_dataset][: n or len(stock.train_dataset)]
+    examples = list(stock.train_dataset)[: n or len(stock.train_dataset)]
     stock_result = reward_step(stock, examples)
     shared_result = reward_step(shared, examples)
     assert "prefix_sharing" in shared_result["batch"]
@@ -117,8 +120,9 @@ def test_reward_training_and_evaluation_match_stock(tmp_path, tokenizer):
         shapes.setdefault("calls", []).append(tuple(prediction.predictions.shape))
         return {"mean_prediction": float(prediction.predictions.mean())}
 
-    stock, shared = make_reward_trainers(tmp_path, "mistral", train, tokenizer, eval_dataset=evaluation, max_steps=3,
-                                         learning_rate=1e-3)
+    stock, shared = make_reward_trainers(
+        tmp_path, "mistral", train, tokenizer, eval_dataset=evaluation, max_steps=3, learning_rate=1e-3
+    )
     for trainer in (stock, shared):
         trainer.compute_metrics = compute_metrics
     stock.train()
@@ -126,7 +130,7 @@ def test_reward_training_and_evaluation_match_stock(tmp_path, tokenizer):
     stock_logs = [log for log in stock.state.log_history if "loss" in log]
     shared_logs = [log for log in shared.state.log_history if "loss" in log]
     assert len(stock_logs) == len(shared_logs) == 3
-    for expected, actual in zip(stock_logs, shared_logs):
+    for expected, actual in zip(stock_logs, shared_logs, strict=True):
         for key, value in expected.items():
             assert actual[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
     stock_eval, shared_eval = stock.evaluate(), shared.evaluate()
@@ -144,9 +148,10 @@ def test_reward_computes_fewer_positions_on_long_prompts(tmp_path, tokenizer):
 
 def test_reward_packing_matches_stock(tmp_path, tokenizer):
     dataset = _with_margin(awkward_text_dataset())
-    stock, packed = make_reward_trainers(tmp_path, "qwen3", dataset, tokenizer,
-                                         ours={"prefix_sharing": True, "packing": True, "packing_length": 512})
-    examples = [row for row in stock.train_dataset]
+    stock, packed = make_reward_trainers(
+        tmp_path, "qwen3", dataset, tokenizer, ours={"prefix_sharing": True, "packing": True, "packing_length": 512}
+    )
+    examples = list(stock.train_dataset)
     stock_result = reward_step(stock, examples)
     packed_result = reward_step(packed, examples, pairs_in_window=len(examples))  # several dense rows
     assert packed_result["batch"]["prefix_sharing"]["input_ids"].shape[0] > 1
@@ -163,14 +168,20 @@ def ranked_dataset(conversational=False):
     rows = [
         {"prompt": "w1 w2 w3 w4 w5 w6", "completions": [" w7 w8", " w9", " w10 w11 w12", " w13"]},
         {"prompt": "what is the sum ?", "completions": [" 7", " 8", " 9"]},
-        {"prompt": " ".join(f"w{i}" for i in range(60, 100)), "completions": [" yes", " no", " yes yes", " no no",
-                                                                              " w1"]},
+        {
+            "prompt": " ".join(f"w{i}" for i in range(60, 100)),
+            "completions": [" yes", " no", " yes yes", " no no", " w1"],
+        },
         {"prompt": "w20", "completions": [" w21", " w21 w22"]},
     ]
     if conversational:
-        rows = [{"prompt": [{"role": "user", "content": r["prompt"]}],
-                 "completions": [[{"role": "assistant", "content": c.strip()}] for c in r["completions"]]}
-                for r in rows]
+        rows = [
+            {
+                "prompt": [{"role": "user", "content": r["prompt"]}],
+                "completions": [[{"role": "assistant", "content": c.strip()}] for c in r["completions"]],
+            }
+            for r in rows
+        ]
     return Dataset.from_list(rows)
 
 
@@ -180,18 +191,26 @@ def test_ranked_loss_equals_stock_on_expanded_pairs(tmp_path, tokenizer, prefix_
     ranked = ranked_dataset(conversational)
     pairs = expand_ranked_to_pairs(ranked)
     assert len(pairs) == 6 + 3 + 10 + 1
-    stock, ours = make_reward_trainers(tmp_path, "llama", ranked, tokenizer, stock_dataset=pairs,
-                                       ours={"prefix_sharing": prefix_sharing}, center_rewards_coefficient=0.1)
-    stock_result = reward_step(stock, [row for row in stock.train_dataset])
-    ours_result = reward_step(ours, [row for row in ours.train_dataset])
+    stock, ours = make_reward_trainers(
+        tmp_path,
+        "llama",
+        ranked,
+        tokenizer,
+        stock_dataset=pairs,
+        ours={"prefix_sharing": prefix_sharing},
+        center_rewards_coefficient=0.1,
+    )
+    stock_result = reward_step(stock, list(stock.train_dataset))
+    ours_result = reward_step(ours, list(ours.train_dataset))
     assert ours_result["rewards"].shape == (4 + 3 + 5 + 2, 1)
     assert_same_reward_step(stock_result, ours_result, compare_rewards=False)
 
 
 def test_ranked_rewards_equal_k_separate_forwards(tmp_path, tokenizer):
-    _, ours = make_reward_trainers(tmp_path, "qwen2", ranked_dataset(), tokenizer,
-                                   stock_dataset=expand_ranked_to_pairs(ranked_dataset()))
-    examples = [row for row in ours.train_dataset]
+    _, ours = make_reward_trainers(
+        tmp_path, "qwen2", ranked_dataset(), tokenizer, stock_dataset=expand_ranked_to_pairs(ranked_dataset())
+    )
+    examples = list(ours.train_dataset)
     result = reward_step(ours, examples)
     assert result["batch"]["prefix_sharing"]["input_ids"].shape[0] == len(examples)  # one row per prompt
     model = ours.model
@@ -206,10 +225,16 @@ def test_ranked_rewards_equal_k_separate_forwards(tmp_path, tokenizer):
 
 def test_ranked_packing_and_training(tmp_path, tokenizer):
     ranked = ranked_dataset()
-    stock, ours = make_reward_trainers(tmp_path, "mistral", ranked, tokenizer, stock_dataset=expand_ranked_to_pairs(ranked),
-                                       ours={"prefix_sharing": True, "packing": True, "packing_length": 256})
-    stock_result = reward_step(stock, [row for row in stock.train_dataset])
-    ours_result = reward_step(ours, [row for row in ours.train_dataset], pairs_in_window=20)
+    stock, ours = make_reward_trainers(
+        tmp_path,
+        "mistral",
+        ranked,
+        tokenizer,
+        stock_dataset=expand_ranked_to_pairs(ranked),
+        ours={"prefix_sharing": True, "packing": True, "packing_length": 256},
+    )
+    stock_result = reward_step(stock, list(stock.train_dataset))
+    ours_result = reward_step(ours, list(ours.train_dataset), pairs_in_window=20)
     assert_same_reward_step(stock_result, ours_result, compare_rewards=False)
     ours.args.max_steps = 2
     ours.train()
@@ -222,9 +247,12 @@ def test_ranked_needs_two_completions(tmp_path, tokenizer):
     from trl_prefix_sharing import RewardTrainer
 
     with pytest.raises(ValueError, match="at least 2 completions"):
-        RewardTrainer(model=make_reward_model("llama", tokenizer), args=reward_args(tmp_path, {"prefix_sharing": True}),
-                      train_dataset=Dataset.from_list([{"prompt": "w1", "completions": [" w2"]}]),
-                      processing_class=tokenizer)
+        RewardTrainer(
+            model=make_reward_model("llama", tokenizer),
+            args=reward_args(tmp_path, {"prefix_sharing": True}),
+            train_dataset=Dataset.from_list([{"prompt": "w1", "completions": [" w2"]}]),
+            processing_class=tokenizer,
+        )
 
 
 def test_ranked_and_pairwise_datasets_cannot_be_mixed(tmp_path, tokenizer):
@@ -235,8 +263,13 @@ def test_ranked_and_pairwise_datasets_cannot_be_mixed(tmp_path, tokenizer):
     ranked = Dataset.from_list([{"prompt": "w1", "completions": [" w2", " w3", " w4"]}])
     pairwise = Dataset.from_list([{"prompt": "w1", "chosen": " w2", "rejected": " w3"}])
     with pytest.raises(ValueError, match="train dataset is ranked and the eval dataset is not"):
-        RewardTrainer(model=make_reward_model("llama", tokenizer), args=reward_args(tmp_path, {"prefix_sharing": True}),
-                      train_dataset=ranked, eval_dataset=pairwise, processing_class=tokenizer)
+        RewardTrainer(
+            model=make_reward_model("llama", tokenizer),
+            args=reward_args(tmp_path, {"prefix_sharing": True}),
+            train_dataset=ranked,
+            eval_dataset=pairwise,
+            processing_class=tokenizer,
+        )
 
 
 def test_pairs_without_a_common_prefix_are_counted(tmp_path, tokenizer):
@@ -253,8 +286,14 @@ def test_reward_evaluate_with_packing_equals_stock_per_pair_means(tmp_path, toke
     train = synthetic_pairs(8, (1, 30), (1, 6), seed=12)
     evaluation = synthetic_pairs(11, (1, 40), (1, 8), seed=13)
     # stock evaluates all 11 pairs in one batch: its metrics are the per-pair means of the dataset
-    stock, packed = make_reward_trainers(tmp_path, "llama", train, tokenizer, eval_dataset=evaluation,
-                                         per_device_eval_batch_size=16,
-                                         ours={"prefix_sharing": True, "packing": True, "packing_length": 128})
+    stock, packed = make_reward_trainers(
+        tmp_path,
+        "llama",
+        train,
+        tokenizer,
+        eval_dataset=evaluation,
+        per_device_eval_batch_size=16,
+        ours={"prefix_sharing": True, "packing": True, "packing_length": 128},
+    )
     assert len(packed.get_eval_dataloader()) > 2  # several packed batches with different numbers of pairs
     assert_same_eval_metrics(stock.evaluate(), packed.evaluate())

@@ -15,7 +15,9 @@ def _lengths(seed, n, low=1, high=300):
 
 
 def _epoch(lengths, max_tokens, replicas, **kwargs):
-    samplers = [MultipackSampler(lengths, max_tokens, num_replicas=replicas, rank=r, **kwargs) for r in range(replicas)]
+    samplers = [
+        MultipackSampler(lengths, max_tokens, num_replicas=replicas, rank=r, **kwargs) for r in range(replicas)
+    ]
     return samplers, [list(s) for s in samplers]
 
 
@@ -26,7 +28,7 @@ def test_coverage_capacity_equal_counts_and_len(seed, replicas):
     samplers, batches = _epoch(lengths, 1024, replicas, seed=seed)
     counts = [len(b) for b in batches]
     assert len(set(counts)) == 1, counts  # every rank yields the same number of batches
-    assert all(len(s) == c for s, c in zip(samplers, counts))  # len() is exact
+    assert all(len(s) == c for s, c in zip(samplers, counts, strict=True))  # len() is exact
     for rank_batches in batches:
         for batch in rank_batches:
             assert batch and sum(lengths[i] for i in batch) <= 1024
@@ -107,8 +109,14 @@ def test_really_first_fit_decreasing():
 @pytest.mark.parametrize("profile", ["capybara", "hh_rlhf", "metamath", "tldr", "tulu_helpsteer", "ultrafeedback"])
 def test_efficiency_on_paper_profiles(profile):
     # median prompt/completion tokens of the paper's datasets; lognormal spread; unit = shared layout length
-    medians = {"capybara": (712, 448), "hh_rlhf": (127, 59), "metamath": (694, 178), "tldr": (382, 34),
-               "tulu_helpsteer": (669, 106), "ultrafeedback": (121, 288)}
+    medians = {
+        "capybara": (712, 448),
+        "hh_rlhf": (127, 59),
+        "metamath": (694, 178),
+        "tldr": (382, 34),
+        "tulu_helpsteer": (669, 106),
+        "ultrafeedback": (121, 288),
+    }
     p, c = medians[profile]
     rng = random.Random(0)
     draw = lambda m: max(1, int(rng.lognormvariate(0, 0.6) * m))  # noqa: E731
@@ -131,6 +139,8 @@ def test_tiny_dataset_fewer_items_than_ranks():
 def test_works_as_a_plain_dataloader_batch_sampler():
     data = [{"x": i} for i in range(50)]
     lengths = _lengths(1, 50, 1, 30)
-    loader = DataLoader(data, batch_sampler=MultipackSampler(lengths, 64), collate_fn=lambda rows: [r["x"] for r in rows])
+    loader = DataLoader(
+        data, batch_sampler=MultipackSampler(lengths, 64), collate_fn=lambda rows: [r["x"] for r in rows]
+    )
     seen = sorted(x for batch in loader for x in batch)
     assert seen == list(range(50)) and len(loader) == len(list(loader))

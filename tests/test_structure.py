@@ -16,14 +16,17 @@ import trl_prefix_sharing
 from trl_prefix_sharing import trl_internals
 from trl_prefix_sharing.trl_internals import INTERNALS, SUPPORTED_TRL, Internal, check_trl_internals
 
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAINERS = ("DPOTrainer", "RewardTrainer", "GRPOTrainer", "RLOOTrainer", "OnlineDPOTrainer")
 
 
 def test_import_loads_no_test_builders_demo_or_command_line():
-    code = ("import sys, trl_prefix_sharing as t\n"
-            f"for name in {TRAINERS!r}: getattr(t, name)\n"
-            "print(sorted(m for m in sys.modules if m.startswith('trl_prefix_sharing')))")
+    code = (
+        "import sys, trl_prefix_sharing as t\n"
+        f"for name in {TRAINERS!r}: getattr(t, name)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('trl_prefix_sharing')))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = proc.stdout.strip()
@@ -40,7 +43,9 @@ def _listed(owner_class) -> set[str]:
     names = set()
     for internal in (i for group in INTERNALS.values() for i in group):
         module, _, qualname = internal.owner.partition(":")
-        if qualname and any(f"{base.__module__}:{base.__qualname__}" == internal.owner for base in owner_class.__mro__):
+        if qualname and any(
+            f"{base.__module__}:{base.__qualname__}" == internal.owner for base in owner_class.__mro__
+        ):
             names.add(internal.name)
     return names
 
@@ -52,18 +57,30 @@ def test_every_overridden_private_method_is_listed(name):
     cls = getattr(trl_prefix_sharing, name)
     ours = [klass for klass in cls.__mro__ if klass.__module__.startswith("trl_prefix_sharing")]
     theirs = [klass for klass in cls.__mro__ if klass.__module__.startswith(("trl.", "transformers."))]
-    overridden = {attr for klass in ours for attr, value in vars(klass).items()
-                  if attr.startswith("_") and not attr.startswith("__") and callable(value)
-                  and any(attr in vars(base) for base in theirs)}
+    overridden = {
+        attr
+        for klass in ours
+        for attr, value in vars(klass).items()
+        if attr.startswith("_")
+        and not attr.startswith("__")
+        and callable(value)
+        and any(attr in vars(base) for base in theirs)
+    }
     assert overridden, "no private override found: the check looks at nothing"
     assert overridden <= _listed(cls), f"not listed in trl_internals.INTERNALS: {sorted(overridden - _listed(cls))}"
 
 
 def test_a_changed_internal_is_one_clear_error(monkeypatch):
-    broken = {**INTERNALS, "dpo": (*INTERNALS["dpo"], Internal("trl.trainer.dpo_trainer:DPOTrainer", "_renamed",
-                                                                "override", ("self",)),
-                                  Internal("trl.trainer.dpo_trainer:DPOTrainer", "_precompute_ref_logps", "override",
-                                           ("self", "dataset", "split")))}
+    broken = {
+        **INTERNALS,
+        "dpo": (
+            *INTERNALS["dpo"],
+            Internal("trl.trainer.dpo_trainer:DPOTrainer", "_renamed", "override", ("self",)),
+            Internal(
+                "trl.trainer.dpo_trainer:DPOTrainer", "_precompute_ref_logps", "override", ("self", "dataset", "split")
+            ),
+        ),
+    }
     monkeypatch.setattr(trl_internals, "INTERNALS", broken)
     check_trl_internals.cache_clear()
     try:
@@ -87,8 +104,10 @@ def test_the_shuffle_swap_is_scoped():
     import trl.trainer.grpo_trainer as grpo_module
 
     original = grpo_module.shuffle_sequence_dict
-    with pytest.raises(RuntimeError), trl_internals.replaced_function(grpo_module.__name__, "shuffle_sequence_dict",
-                                                                      len):
+    with (
+        pytest.raises(RuntimeError),
+        trl_internals.replaced_function(grpo_module.__name__, "shuffle_sequence_dict", len),
+    ):
         assert grpo_module.shuffle_sequence_dict is len
         raise RuntimeError("a failing step")
     assert grpo_module.shuffle_sequence_dict is original is trl.trainer.utils.shuffle_sequence_dict
@@ -104,10 +123,19 @@ def test_no_trl_method_body_is_copied():
 
 def test_the_readme_example_with_the_test_builders_runs_as_written(tmp_path):
     readme = (ROOT / "README.md").read_text()
-    blocks = [block for block in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
-              if "trl_prefix_sharing.testing" in block]
+    blocks = [
+        block
+        for block in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+        if "trl_prefix_sharing.testing" in block
+    ]
     assert len(blocks) == 1
-    proc = subprocess.run([sys.executable, "-c", blocks[0]], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-c", blocks[0]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "'num_shared_tokens'" in proc.stdout + proc.stderr  # it trained, with prefix sharing

@@ -8,6 +8,7 @@ import torch
 import trl
 from equivalence import assert_same_step, dpo_args, leaky_dpo_mask, step
 
+
 pytest.importorskip("PIL", reason="the image processor needs Pillow")
 
 import trl_prefix_sharing.attention as attention_module  # noqa: E402
@@ -20,6 +21,7 @@ from trl_prefix_sharing.testing.vision import (  # noqa: E402
     make_vision_processor,
     synthetic_image_pairs,
 )
+
 
 DATA = {
     # one 16x16 image per prompt (4 image tokens)
@@ -41,8 +43,14 @@ def make_vision_trainers(tmp_path, processor, family, dataset, ours=None, eval_d
     model = make_vision_model(family, processor, seed=0)
     ref = make_vision_model(family, processor, seed=1)
     return [
-        cls(model=copy.deepcopy(model), ref_model=copy.deepcopy(ref), args=dpo_args(tmp_path, options, **overrides),
-            train_dataset=dataset, eval_dataset=eval_dataset, processing_class=processor)
+        cls(
+            model=copy.deepcopy(model),
+            ref_model=copy.deepcopy(ref),
+            args=dpo_args(tmp_path, options, **overrides),
+            train_dataset=dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processor,
+        )
         for cls, options in ((trl.DPOTrainer, None), (DPOTrainer, ours or {"prefix_sharing": True}))
     ]
 
@@ -65,8 +73,10 @@ def count_images_through_tower(trainer):
     return counts
 
 
-@pytest.mark.parametrize("family,data", [("qwen2_vl", "one_image"), ("qwen3_vl", "text_only"),
-                                         *((family, "mixed") for family in VISION_FAMILIES)])
+@pytest.mark.parametrize(
+    "family,data",
+    [("qwen2_vl", "one_image"), ("qwen3_vl", "text_only"), *((family, "mixed") for family in VISION_FAMILIES)],
+)
 def test_step_matches_stock_with_images_once_per_pair(tmp_path, processors, family, data):
     dataset = synthetic_image_pairs(4, DATA[data], seed=1)
     stock, shared = make_vision_trainers(tmp_path, processors[family], family, dataset)
@@ -122,9 +132,13 @@ def test_wrong_mask_and_wrong_positions_fail(tmp_path, processors, monkeypatch):
 @pytest.mark.parametrize("prefix_sharing", [True, False])
 def test_packed_step_matches_stock(tmp_path, processors, prefix_sharing):
     dataset = synthetic_image_pairs(5, DATA["mixed"], seed=4)
-    stock, packed = make_vision_trainers(tmp_path, processors["qwen2_5_vl"], "qwen2_5_vl", dataset,
-                                         ours={"prefix_sharing": prefix_sharing, "packing": True,
-                                               "packing_length": 512})
+    stock, packed = make_vision_trainers(
+        tmp_path,
+        processors["qwen2_5_vl"],
+        "qwen2_5_vl",
+        dataset,
+        ours={"prefix_sharing": prefix_sharing, "packing": True, "packing_length": 512},
+    )
     packed.data_collator.packing_row_length = None  # the whole batch in one row: images of several pairs in it
     stock_result = step(stock, rows(dataset))
     packed_result = step(packed, rows(dataset))
@@ -136,14 +150,15 @@ def test_packed_step_matches_stock(tmp_path, processors, prefix_sharing):
 def test_training_and_evaluation_match_stock(tmp_path, processors):
     train = synthetic_image_pairs(8, DATA["mixed"], seed=5)
     evaluation = synthetic_image_pairs(4, DATA["mixed"], seed=6)
-    stock, shared = make_vision_trainers(tmp_path, processors["qwen3_vl"], "qwen3_vl", train, eval_dataset=evaluation,
-                                         max_steps=2, learning_rate=1e-3)
+    stock, shared = make_vision_trainers(
+        tmp_path, processors["qwen3_vl"], "qwen3_vl", train, eval_dataset=evaluation, max_steps=2, learning_rate=1e-3
+    )
     stock.train()
     shared.train()
     stock_logs = [entry for entry in stock.state.log_history if "loss" in entry]
     shared_logs = [entry for entry in shared.state.log_history if "loss" in entry]
     assert len(stock_logs) == len(shared_logs) == 2
-    for expected, got in zip(stock_logs, shared_logs):
+    for expected, got in zip(stock_logs, shared_logs, strict=True):
         for key, value in expected.items():
             if key in ("grad_norm", "loss") or key.startswith(("rewards/", "logps/", "logits/")):
                 assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
@@ -161,9 +176,14 @@ def test_unproven_vision_families_are_refused(tmp_path, processors):
     config.save_pretrained(tmp_path / "llava")
     dataset = synthetic_image_pairs(2, DATA["one_image"])
     with pytest.raises(ValueError, match=r"qwen2_vl, qwen2_5_vl, qwen3_vl; this model is 'llava'"):
-        DPOTrainer(model=str(tmp_path / "llava"), args=dpo_args(tmp_path, True), train_dataset=dataset,
-                   processing_class=processors["qwen2_vl"])
-    # transformers' Qwen VL models refuse flex_attention: "auto" (Flex on CUDA) means SDPA for them, explicit Flex fails
+        DPOTrainer(
+            model=str(tmp_path / "llava"),
+            args=dpo_args(tmp_path, True),
+            train_dataset=dataset,
+            processing_class=processors["qwen2_vl"],
+        )
+    # transformers' Qwen VL models refuse flex_attention: "auto" (Flex on CUDA) means SDPA for them, explicit Flex
+    # fails
     assert attention_module.vision_attn_implementation("auto", "flex_attention") == "sdpa"
     assert attention_module.vision_attn_implementation("sdpa", "sdpa") == "sdpa"
     with pytest.raises(ValueError, match="prefix_sharing_attn_implementation='sdpa'"):
@@ -186,11 +206,19 @@ def test_reward_trainer_refuses_images(tmp_path, processors):
     tokenizer = make_tokenizer()
     dataset = synthetic_image_pairs(2, DATA["one_image"])
     with pytest.raises(ValueError, match="RewardTrainer has no image support"):
-        RewardTrainer(model=make_reward_model("llama", tokenizer), args=reward_args(tmp_path, {"prefix_sharing": True}),
-                      train_dataset=dataset, processing_class=tokenizer)
+        RewardTrainer(
+            model=make_reward_model("llama", tokenizer),
+            args=reward_args(tmp_path, {"prefix_sharing": True}),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
     with pytest.raises(ValueError, match="RewardTrainer with prefix sharing does not lay out images"):
-        RewardTrainer(model=make_reward_model("llama", tokenizer), args=reward_args(tmp_path, {"prefix_sharing": True}),
-                      train_dataset=dataset, processing_class=processors["qwen2_vl"])
+        RewardTrainer(
+            model=make_reward_model("llama", tokenizer),
+            args=reward_args(tmp_path, {"prefix_sharing": True}),
+            train_dataset=dataset,
+            processing_class=processors["qwen2_vl"],
+        )
 
 
 def test_image_tokens_cut_by_max_length_and_videos_are_refused(tmp_path, processors):
