@@ -1,6 +1,7 @@
 """The demo: stock TRL and prefix sharing take turns step by step (so a busy machine slows both alike), its output
 prints the start-up summary once, and no start-up line from libraries it does not use (bitsandbytes, DeepSpeed)."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -71,7 +72,7 @@ def test_runs_take_turns_step_by_step(tmp_path, tokenizer):
     turns.run(trainers)
     names = [name for name, kind, _ in events if kind == "begin"]
     assert names == ["stock", "shared", "shared", "stock", "stock", "shared"]
-    for (name, kind, _), (next_name, next_kind, _) in zip(events, events[1:], strict=True):
+    for (name, kind, _), (next_name, next_kind, _) in itertools.pairwise(events):
         assert kind != next_kind and (kind == "end" or name == next_name)  # begin/end pairs never interleave
     assert all(len(times) == 3 and min(times) > 0 for times in turns.step_times.values())
 
