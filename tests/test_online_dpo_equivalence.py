@@ -18,9 +18,10 @@ from trl_prefix_sharing import OnlineDPOConfig, OnlineDPOTrainer
 from trl_prefix_sharing.tiny import FAMILIES, make_model
 
 
-def make_trainers(tmp_path, family, tokenizer, dataset=None, peft_config=None, **overrides):
-    model = make_model(family, len(tokenizer), seed=0)
-    ref = None if peft_config is not None else make_model(family, len(tokenizer), seed=1)
+def make_trainers(tmp_path, family, tokenizer, dataset=None, peft_config=None, config_kwargs=None, **overrides):
+    config_kwargs = config_kwargs or {}
+    model = make_model(family, len(tokenizer), seed=0, **config_kwargs)
+    ref = None if peft_config is not None else make_model(family, len(tokenizer), seed=1, **config_kwargs)
     kwargs = dict(per_device_train_batch_size=4, max_new_tokens=6, bf16=False, use_cpu=True, report_to="none",
                   logging_steps=1, save_strategy="no", seed=0, max_steps=2, learning_rate=1e-3)
     kwargs.update(overrides)
