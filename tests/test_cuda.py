@@ -6,7 +6,8 @@ collects the compile counts and the long-row peak memory they record. Commands a
 docs/benchmarks/gpu_tests.md.
 
 - the matrix: the four families x {sharing, sharing + packing} x {DPO, reward, ranked reward}, fp32 (TF32 off), equal
-  to stock at the CPU tests' tolerance (1e-5), gradient checkpointing on (TRL's default, switched on as `train()` does);
+  to stock at the CPU tests' tolerance (1e-5), gradient checkpointing on (TRL's default, switched on as `train()`
+  does);
 - bf16 within README "Precision"'s tolerance; sliding-window models; LoRA; GRPO and online DPO passes;
 - compile stability over 39 training and evaluation steps of varying lengths; peak memory of a long-row step.
 
@@ -67,7 +68,8 @@ def checkpoint_as_train_does(*trainers):
     for trainer in trainers:
         args = trainer.args
         assert args.gradient_checkpointing
-        kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs or {})
+        kwargs = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs
+        kwargs = dict(kwargs or {})
         kwargs.pop("every_n_layers", None), kwargs.pop("offload", None)
         if hasattr(trainer.model, "activation_checkpointing_enable"):
             trainer.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None)
@@ -206,8 +208,9 @@ def test_compiles_a_bounded_number_of_times_over_training_and_evaluation(tmp_pat
                                                                           record_property):
     # documents of 5 to about 250 tokens: widths vary per batch and cross the first 128-token bucket
     train, evaluation = synthetic_pairs(46, (1, 150), (1, 50), seed=5), synthetic_pairs(9, (1, 150), (1, 50), seed=6)
-    stock, shared = checkpoint_as_train_does(*make_trainers(tmp_path, "llama", train, tokenizer, eval_dataset=evaluation,
-                                                            config_kwargs=CUDA_SIZES, **ON_GPU))
+    stock, shared = checkpoint_as_train_does(*make_trainers(tmp_path, "llama", train, tokenizer,
+                                                            eval_dataset=evaluation, config_kwargs=CUDA_SIZES,
+                                                            **ON_GPU))
     for trainer in (stock, shared):
         trainer.ref_model.eval()  # as `from_pretrained` leaves it: every step switches FlexAttention's training flag
     datasets = {"train": (stock.train_dataset, shared.train_dataset), "eval": (stock.eval_dataset, shared.eval_dataset)}

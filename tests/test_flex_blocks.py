@@ -1,10 +1,10 @@
-"""FlexAttention through a model with shared rows several blocks long (CPU, forward): whole blocks of the prefix-sharing
-mask are skipped, not only masked, and the result still equals stock TRL's.
+"""FlexAttention through a model with shared rows several blocks long (CPU, forward): whole blocks of the
+prefix-sharing mask are skipped, not only masked, and the result still equals stock TRL's.
 
 The other model-level FlexAttention tests (tests/test_compile.py) use rows under 128 tokens, a single partial block,
-where block sparsity cannot show. Here a rejected completion's queries span whole blocks whose keys are all in the chosen
-completion (and, packed, in other documents): the BlockMask must leave those blocks out, keep every block the dense
-mask touches, and the forward (compiled FlexAttention, as on CUDA) must give stock TRL's loss and metrics.
+where block sparsity cannot show. Here a rejected completion's queries span whole blocks whose keys are all in the
+chosen completion (and, packed, in other documents): the BlockMask must leave those blocks out, keep every block the
+dense mask touches, and the forward (compiled FlexAttention, as on CUDA) must give stock TRL's loss and metrics.
 """
 
 import pytest
@@ -32,7 +32,7 @@ def long_pairs():
 
 
 def block_counts(block_mask, layout):
-    """(blocks the BlockMask computes, full blocks, blocks the dense mask touches, full dense blocks, causal blocks)."""
+    """Blocks the BlockMask computes and its full blocks; blocks the dense mask touches and fills; causal blocks."""
     doc, branch = layout["document_ids"], layout["branch_ids"]
     n, s = doc.shape
     k = s // BLOCK
