@@ -822,18 +822,18 @@ def merge(directories, out, command) -> None:
                 part = json.load(f)
             if merged is None:
                 merged = {**part, "commands": [part["command"]]}
-                continue
-            if (part["device"], part["torch"]) != (merged["device"], merged["torch"]):
-                raise SystemExit(f"{path}: device/torch {part['device']}, {part['torch']} differ from "
-                                 f"{merged['device']}, {merged['torch']}: merge only parts from one machine.")
-            merged["commands"].append(part["command"])
-            merged["parts"] += part.get("parts", [])
-            merged["not_run"] += part.get("not_run", [])
-            for key in ("models", "settings"):
-                merged[key].update(part[key])
-            for key in ("results", "grpo"):
-                for name, value in part[key].items():
-                    merged[key].setdefault(name, {}).update(value)
+            else:
+                if (part["device"], part["torch"]) != (merged["device"], merged["torch"]):
+                    raise SystemExit(f"{path}: device/torch {part['device']}, {part['torch']} differ from "
+                                     f"{merged['device']}, {merged['torch']}: merge only parts from one machine.")
+                merged["commands"].append(part["command"])
+                merged["parts"] += part.get("parts", [])
+                merged["not_run"] += part.get("not_run", [])
+                for key in ("models", "settings"):
+                    merged[key].update(part[key])
+                for key in ("results", "grpo"):
+                    for name, value in part[key].items():
+                        merged[key].setdefault(name, {}).update(value)
         path = os.path.join(directory, "gpu_tests.json")
         if os.path.exists(path):
             with open(path) as f:
