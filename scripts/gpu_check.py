@@ -6,7 +6,8 @@ against stock TRL. Each part fits in one run of under 10 minutes on one H100 and
     python scripts/gpu_check.py --part bench-large --out results/large   # 3B model: DPO, reward, ~7-9 min
     python scripts/gpu_check.py --merge results/tests results/small results/large --out docs/benchmarks
 
-`--part all` runs the three in one process (about 20 minutes, no time limit of its own); `--dry-run` runs the same
+`--part all` runs the three in one process (about 20 minutes, no time limit of its own); `--tests-k` runs part of
+tests/test_cuda.py (merge the parts); `--dry-run` runs the same
 code on CPU with tiny models and lengths in about a minute (tests/test_gpu_check.py does, so that a typo or an import
 error never costs GPU time). Times are estimates for an H100; each single part stops starting new work after
 `--deadline-s` (540 s by default) and writes what it measured, with the rest listed as not run.
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
 import json
 import os
@@ -256,6 +258,8 @@ def logged_recompiles(log_path) -> dict[str, int]:
 def run_tests_part(args, env, command, deadline) -> dict:
     log_path = os.path.join(args.out, "cuda_tests.log")
     pytest_args = ["-v", "-s", "-rfEs", "-p", "no:cacheprovider", "tests/test_cuda.py"]
+    if args.tests_k:
+        pytest_args += ["-k", args.tests_k]
     child_env = {**os.environ, "TORCH_LOGS": os.environ.get("TORCH_LOGS", "recompiles"), "PYTHONUNBUFFERED": "1"}
     timeout = deadline.left() - 20 if deadline.limited else 24 * 3600
     log("tests: pytest", " ".join(pytest_args), f"(stopped after {timeout:.0f} s)")
@@ -274,7 +278,7 @@ def run_tests_part(args, env, command, deadline) -> dict:
         "failures": [{**f, "message": (f["message"] or "")[-1500:]} for f in summary["failures"]],
         "skip_reasons": summary["skip_reasons"],
         "timed_out": summary["timed_out"], "duration_s": summary["duration_s"],
-        "pytest": "python -m pytest " + " ".join(pytest_args),
+        "pytest": "python -m pytest " + shlex.join(pytest_args),
         "environment": env,
     }
     write_json(os.path.join(args.out, "gpu_tests.json"), data)
@@ -581,6 +585,38 @@ def bench_grpo(profile, model, tokenizer, settings, clock, tmp, g=8) -> dict:
     return result
 
 
+class Budget:
+    """Starts a unit of work only if the deadline leaves 1.5x the longest unit so far (at least 30 s); records what
+    it skipped and what failed (a failure is logged with its traceback and the run goes on)."""
+
+    def __init__(self, deadline, data, cuda):
+        self.deadline, self.data, self.cuda, self.longest = deadline, data, cuda, 0.0
+
+    def run(self, label, function, *args):
+        if self.deadline.left() < max(30.0, 1.5 * self.longest):
+            self.data["not_run"].append(label)
+            log("bench: no time left for", label)
+            return None
+        start = time.monotonic()
+        try:
+            return function(*args)
+        except Exception as error:  # kept, reported, and the next unit runs
+            import traceback
+
+            self.data["errors"].append({"unit": label, "error": f"{type(error).__name__}: {error}"[:2000]})
+            log(f"bench: {label} failed:\n{traceback.format_exc()[-4000:]}")
+            return None
+        finally:
+            self.longest = max(self.longest, time.monotonic() - start)
+            gc.collect()
+            if self.cuda:
+                import torch
+
+                torch.cuda.empty_cache()
+                log(f"bench: {label} took {time.monotonic() - start:.0f} s; GPU memory allocated "
+                    f"{torch.cuda.memory_allocated() / 2**30:.2f} GB")
+
+
 def run_bench_part(args, env, command, deadline, models) -> dict:
     import torch
     from benchmark import PROFILES, VARIANTS, quiet_setup, synthetic_dataset
@@ -588,7 +624,9 @@ def run_bench_part(args, env, command, deadline, models) -> dict:
     cuda = not args.dry_run
     _, tokenizer = quiet_setup(cuda)
     if cuda:  # many trainers in one process share the compiled FlexAttention; a user's run has one trainer
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        config = torch._dynamo.config
+        limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, limit, max(getattr(config, limit), 64))
     profiles = (args.profiles or (DRY_PROFILES if args.dry_run else ",".join(PROFILES))).split(",")
     kinds = args.kinds.split(",")
     unknown = set(profiles) - set(PROFILES) | set(kinds) - {"dpo", "reward", "grpo"}
@@ -596,8 +634,30 @@ def run_bench_part(args, env, command, deadline, models) -> dict:
         raise SystemExit(f"Unknown profiles or kinds: {sorted(unknown)}")
     data = {"command": command, **{k: env[k] for k in ("device", "torch", "cuda", "triton", "transformers", "trl")},
             "model": None, "models": {}, "settings": {}, "results": {}, "summary": {}, "grpo": {},
-            "not_run": [], "environment": env, "parts": [args.part]}
-    clock = HostClock(cuda)
+            "not_run": [], "errors": [], "environment": env, "parts": [args.part]}
+    clock, budget = HostClock(cuda), Budget(deadline, data, cuda)
+    device = "cuda" if cuda else "cpu"
+
+    def preference_profile(name, kind, model, profile, settings):
+        dataset = synthetic_dataset(profile, settings.pairs, settings.length_scale, seed=0)
+        by_variant = {}
+        for variant in VARIANTS:
+            r = by_variant[variant] = bench_variant(kind, variant, model, tokenizer, dataset, settings, clock, tmp)
+            log(f"bench {name} {kind} {profile} {variant}: {r['pairs_per_s']:.2f} pairs/s, step {r['step_ms']:.1f} "
+                f"ms, layout {r['layout_host_ms_per_step']:.2f} ms, mask {_fmt(r['mask_host_ms_per_step'], '.2f')} "
+                f"ms, peak {_fmt(r['peak_memory_gb'], '.2f')} GB, compiled {r['compiled_variants']}, eager flex "
+                f"{r['eager_flex_warnings']}, warm-up {r['warmup_s']} s")
+        data["results"].setdefault(name, {}).setdefault(kind, {})[profile] = by_variant
+        write_bench(data, args.out)  # after every profile: a run cut short keeps what it measured
+
+    def grpo_profile(name, model, profile, settings):
+        result = data["grpo"].setdefault(name, {})[profile] = bench_grpo(profile, model, tokenizer, settings, clock,
+                                                                          tmp)
+        log(f"bench {name} grpo {profile}: step {result['speedup']:.2f}x (ideal {result['ideal']:.2f}x), layout "
+            f"{result['layout_host_ms_per_step']:.2f} ms, mask {result['mask_host_ms_per_step']:.2f} ms per step, "
+            f"compiled {result['compiled_variants']}, eager flex {result['eager_flex_warnings']}")
+        write_bench(data, args.out)
+
     with tempfile.TemporaryDirectory() as tmp, clock.patched():
         data["timed_functions"] = sorted(clock.found)
         for name in models:
@@ -609,40 +669,15 @@ def run_bench_part(args, env, command, deadline, models) -> dict:
             settings = SimpleNamespace(mode="gpu" if cuda else "cpu", gradient_checkpointing=True, **sizes)
             data["settings"][name] = {**sizes, "dtype": "bfloat16" if cuda else "float32",
                                       "gradient_checkpointing": True}
-            for kind in (kind for kind in kinds if kind != "grpo"):
-                model, description = build_model(name, kind, tokenizer, args.dry_run, "cuda" if cuda else "cpu")
-                data["models"][name] = description
-                for profile in profiles:
-                    if deadline.left() < 30:
-                        data["not_run"].append(f"{name} {kind} {profile}")
-                        log("bench: no time left for", name, kind, profile)
-                        continue
-                    dataset = synthetic_dataset(profile, settings.pairs, settings.length_scale, seed=0)
-                    by_variant = {}
-                    for variant in VARIANTS:
-                        by_variant[variant] = bench_variant(kind, variant, model, tokenizer, dataset, settings, clock,
-                                                            tmp)
-                        r = by_variant[variant]
-                        log(f"bench {name} {kind} {profile} {variant}: {r['pairs_per_s']:.2f} pairs/s, step "
-                            f"{r['step_ms']:.1f} ms, layout {r['layout_host_ms_per_step']:.2f} ms, peak "
-                            f"{r['peak_memory_gb']} GB, compiled {r['compiled_variants']}, eager "
-                            f"{r['eager_flex_warnings']}")
-                    data["results"].setdefault(name, {}).setdefault(kind, {})[profile] = by_variant
-                    write_bench(data, args.out)  # after every profile: a run cut short keeps what it measured
-                del model
-                gc.collect()
-            if name == GRPO_MODEL and "grpo" in kinds:
-                model, _ = build_model(name, "grpo", tokenizer, args.dry_run, "cuda" if cuda else "cpu")
+            if name == GRPO_MODEL and "grpo" in kinds:  # first: short, and a single GRPO figure is worth more
+                model, data["models"][name] = build_model(name, "grpo", tokenizer, args.dry_run, device)
                 for profile in GRPO_PROFILES:
-                    if deadline.left() < 30:
-                        data["not_run"].append(f"{name} grpo {profile}")
-                        continue
-                    result = bench_grpo(profile, model, tokenizer, settings, clock, tmp)
-                    data["grpo"].setdefault(name, {})[profile] = result
-                    log(f"bench {name} grpo {profile}: step {result['speedup']:.2f}x (ideal {result['ideal']:.2f}x), "
-                        f"layout {result['layout_host_ms_per_step']:.2f} ms, mask "
-                        f"{result['mask_host_ms_per_step']:.2f} ms per step")
-                    write_bench(data, args.out)
+                    budget.run(f"{name} grpo {profile}", grpo_profile, name, model, profile, settings)
+                del model
+            for kind in (kind for kind in kinds if kind != "grpo"):
+                model, data["models"][name] = build_model(name, kind, tokenizer, args.dry_run, device)
+                for profile in profiles:
+                    budget.run(f"{name} {kind} {profile}", preference_profile, name, kind, model, profile, settings)
                 del model
                 gc.collect()
     write_bench(data, args.out)
@@ -814,7 +849,7 @@ def render_svg(data) -> str:
 def merge(directories, out, command) -> None:
     """Combine the parts' `gpu.json` and `gpu_tests.json` (run on separate machines or calls) into one of each, and
     write `gpu.md` and `gpu_speedup.svg` from the combined results. Needs neither a GPU nor torch's CUDA."""
-    merged, tests = None, None
+    merged, tests = None, []
     for directory in directories:
         path = os.path.join(directory, "gpu.json")
         if os.path.exists(path):
@@ -837,16 +872,35 @@ def merge(directories, out, command) -> None:
         path = os.path.join(directory, "gpu_tests.json")
         if os.path.exists(path):
             with open(path) as f:
-                tests = json.load(f)
-    if merged is None and tests is None:
+                tests.append(json.load(f))
+    if merged is None and not tests:
         raise SystemExit(f"No gpu.json or gpu_tests.json in {directories}.")
     os.makedirs(out, exist_ok=True)
     if merged is not None:
         merged["command"] = " && ".join(merged["commands"])
         merged["merged_by"] = command
         write_bench(merged, out)
-    if tests is not None:
-        write_json(os.path.join(out, "gpu_tests.json"), tests)
+    if tests:
+        write_json(os.path.join(out, "gpu_tests.json"), merge_tests(tests))
+
+
+def merge_tests(parts) -> dict:
+    """One `gpu_tests.json` from runs over parts of tests/test_cuda.py (`--tests-k`): counts summed, measurements and
+    failures combined."""
+    merged = copy.deepcopy(parts[0])
+    for part in parts[1:]:
+        if (part["device"], part["torch"]) != (merged["device"], merged["torch"]):
+            raise SystemExit("gpu_tests.json from different machines: merge only parts from one machine.")
+        for key in ("passed", "failed", "skipped", "errors", "not_run", "collected"):
+            merged[key] += part[key]
+        for key in ("recompiles", "peak_memory_gb", "compile_report", "long_row_compile_report"):
+            merged[key].update(part[key])
+        for key, count in part["recompiles_logged"].items():
+            merged["recompiles_logged"][key] = merged["recompiles_logged"].get(key, 0) + count
+        merged["failures"] += part["failures"]
+        merged["command"] += " && " + part["command"]
+        merged["timed_out"] = merged["timed_out"] or part["timed_out"]
+    return merged
 
 
 # ------------------------------------------------------------------------------------------------- main
@@ -869,6 +923,8 @@ def main(argv=None):
     parser.add_argument("--profiles", default=None,
                         help=f"DPO/reward profiles (default: the paper's six; dry run: {DRY_PROFILES})")
     parser.add_argument("--kinds", default="dpo,reward,grpo")
+    parser.add_argument("--tests-k", default=None,
+                        help="pytest -k expression: run part of tests/test_cuda.py (merge the parts' gpu_tests.json)")
     parser.add_argument("--pairs", type=int, default=None, help="pairs per profile (default per model)")
     parser.add_argument("--repeats", type=int, default=None, help="timed epochs per variant (default per model)")
     parser.add_argument("--batch-size", type=int, default=None, help="pairs per step (default 8)")

@@ -117,6 +117,32 @@ def test_merge_combines_parts_from_separate_runs(dry_run, tmp_path):
         gpu_check.main(["--merge", str(tmp_path / "part0"), str(tmp_path / "part1"), "--out", str(out)])
 
 
+def test_merge_sums_test_runs_over_parts_of_the_file(dry_run, tmp_path):
+    tests = json.loads((dry_run / "gpu_tests.json").read_text())
+    first, second = copy.deepcopy(tests), copy.deepcopy(tests)
+    first.update(passed=30, skipped=0, collected=30, recompiles={"flex_attention": 5}, recompiles_logged={"f": 1})
+    second.update(passed=9, failed=1, skipped=0, collected=10, peak_memory_gb={"long_row": 0.2},
+                  recompiles_logged={"f": 2}, failures=[{"test": "t", "message": "m"}])
+    merged = gpu_check.merge_tests([first, second])
+    assert (merged["passed"], merged["failed"], merged["collected"]) == (39, 1, 40)
+    assert merged["recompiles"] == {"flex_attention": 5} and merged["peak_memory_gb"] == {"long_row": 0.2}
+    assert merged["recompiles_logged"] == {"f": 3} and len(merged["failures"]) == 1
+
+
+def test_budget_skips_what_would_overrun_and_keeps_going_after_a_failure():
+    data = {"not_run": [], "errors": []}
+    budget = gpu_check.Budget(gpu_check.Deadline(0), data, cuda=False)
+
+    def fails():
+        raise RuntimeError("out of memory")
+
+    assert budget.run("first", fails) is None and budget.run("second", lambda x: x + 1, 1) == 2
+    assert data["errors"] == [{"unit": "first", "error": "RuntimeError: out of memory"}] and not data["not_run"]
+    budget = gpu_check.Budget(gpu_check.Deadline(100), data, cuda=False)
+    budget.longest = 80  # the next unit would need 120 s
+    assert budget.run("third", lambda: 1) is None and data["not_run"] == ["third"]
+
+
 # ------------------------------------------------------------------------------------------------- the pytest runner
 TESTS = '''
 import time
