@@ -7,10 +7,10 @@ against stock TRL. Each part fits in one run of under 10 minutes on one H100 and
     python scripts/gpu_check.py --merge results/tests results/small results/large --out docs/benchmarks
 
 `--part all` runs the three in one process (about 20 minutes, no time limit of its own); `--tests-k` runs part of
-tests/test_cuda.py (merge the parts); `--dry-run` runs the same
-code on CPU with tiny models and lengths in about a minute (tests/test_gpu_check.py does, so that a typo or an import
-error never costs GPU time). Times are estimates for an H100; each single part stops starting new work after
-`--deadline-s` (540 s by default) and writes what it measured, with the rest listed as not run.
+tests/test_cuda.py (merge the parts); `--dry-run` runs the same code on CPU with tiny models and lengths in about a
+minute (tests/test_gpu_check.py does, so that a typo or an import error never costs GPU time). Times are estimates
+for an H100; each single part stops starting new work after `--deadline-s` (540 s by default) and writes what it
+measured, with the rest listed as not run.
 
 Files (at most 6 in `--out`, each well under 16 MiB):
 - `gpu_tests.json`: device, versions, pytest's counts over tests/test_cuda.py, the compiled variants of
@@ -50,7 +50,7 @@ import time
 from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path[:0] = [os.path.join(ROOT, "scripts"), ROOT]  # the checkout's package, also when it is not installed
 
 #: the models of the benchmark, built from configs with random weights (no download): Qwen2.5-0.5B's and Llama
 #: 3.2 3B's shapes, vocabularies and tied embeddings
@@ -260,7 +260,9 @@ def run_tests_part(args, env, command, deadline) -> dict:
     pytest_args = ["-v", "-s", "-rfEs", "-p", "no:cacheprovider", "tests/test_cuda.py"]
     if args.tests_k:
         pytest_args += ["-k", args.tests_k]
-    child_env = {**os.environ, "TORCH_LOGS": os.environ.get("TORCH_LOGS", "recompiles"), "PYTHONUNBUFFERED": "1"}
+    python_path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    child_env = {**os.environ, "TORCH_LOGS": os.environ.get("TORCH_LOGS", "recompiles"), "PYTHONUNBUFFERED": "1",
+                 "PYTHONPATH": python_path}
     timeout = deadline.left() - 20 if deadline.limited else 24 * 3600
     log("tests: pytest", " ".join(pytest_args), f"(stopped after {timeout:.0f} s)")
     summary = run_pytest(pytest_args, log_path, timeout, env=child_env)
@@ -933,9 +935,6 @@ def main(argv=None):
     if args.merge:
         merge(args.merge, args.out, command)
         return 0
-    os.makedirs(args.out, exist_ok=True)
-    LOG["path"] = os.path.join(args.out, "gpu_check.log")
-    part = PARTS[args.part]
     if args.deadline_s is None:
         args.deadline_s = 0 if args.part in ("bench", "all") else 540
     deadline = Deadline(args.deadline_s)
@@ -943,6 +942,9 @@ def main(argv=None):
 
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("No CUDA device: run this on a GPU machine, or use --dry-run (CPU, tiny sizes).")
+    os.makedirs(args.out, exist_ok=True)
+    LOG["path"] = os.path.join(args.out, "gpu_check.log")
+    part = PARTS[args.part]
     env = environment(args.dry_run)
     log("environment:", json.dumps(env))
     status = 0
