@@ -25,10 +25,15 @@ import tempfile
 import time
 import warnings
 
-# median prompt / completion tokens of the paper's datasets (issue 6)
+
+# median prompt / completion tokens of the paper's datasets
 PROFILES = {
-    "Capybara": (712, 448), "HH-RLHF": (127, 59), "MetaMath-DPO": (694, 178), "TLDR": (382, 34),
-    "Tulu-Helpsteer": (669, 106), "UltraFeedback": (121, 288),
+    "Capybara": (712, 448),
+    "HH-RLHF": (127, 59),
+    "MetaMath-DPO": (694, 178),
+    "TLDR": (382, 34),
+    "Tulu-Helpsteer": (669, 106),
+    "UltraFeedback": (121, 288),
 }
 VARIANTS = ["stock", "sharing", "packing", "sharing+packing"]
 
@@ -45,8 +50,9 @@ def synthetic_dataset(profile, n, scale, seed, sigma=0.5):
         k = max(1, int(round(median * scale * math.exp(rng.gauss(0, sigma)))))
         return " ".join(rng.choice(WORDS[:200]) for _ in range(k))
 
-    return Dataset.from_list([{"prompt": words(p_med), "chosen": " " + words(c_med), "rejected": " " + words(c_med)}
-                              for _ in range(n)])
+    return Dataset.from_list(
+        [{"prompt": words(p_med), "chosen": " " + words(c_med), "rejected": " " + words(c_med)} for _ in range(n)]
+    )
 
 
 class Timer:
@@ -134,25 +140,55 @@ def make_trainer(kind, variant, model, tokenizer, dataset, args, tmp):
     from trl_prefix_sharing import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer
 
     cuda = args.mode == "gpu"
-    common = dict(output_dir=os.path.join(tmp, f"{kind}-{variant}"), per_device_train_batch_size=args.batch_size,
-                  num_train_epochs=1, learning_rate=1e-6, logging_steps=10_000, save_strategy="no",
-                  report_to="none", bf16=cuda, use_cpu=not cuda, seed=0, max_length=None,
-                  gradient_checkpointing=args.gradient_checkpointing, disable_tqdm=True, dataloader_drop_last=False)
+    common = dict(
+        output_dir=os.path.join(tmp, f"{kind}-{variant}"),
+        per_device_train_batch_size=args.batch_size,
+        num_train_epochs=1,
+        learning_rate=1e-6,
+        logging_steps=10_000,
+        save_strategy="no",
+        report_to="none",
+        bf16=cuda,
+        use_cpu=not cuda,
+        seed=0,
+        max_length=None,
+        gradient_checkpointing=args.gradient_checkpointing,
+        disable_tqdm=True,
+        dataloader_drop_last=False,
+    )
     ours = {"prefix_sharing": "sharing" in variant, "packing": "packing" in variant}
     if kind == "dpo":
         if variant == "stock":
-            trainer = trl.DPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(model),
-                                     args=trl.DPOConfig(**common), train_dataset=dataset, processing_class=tokenizer)
+            trainer = trl.DPOTrainer(
+                model=copy.deepcopy(model),
+                ref_model=copy.deepcopy(model),
+                args=trl.DPOConfig(**common),
+                train_dataset=dataset,
+                processing_class=tokenizer,
+            )
         else:
-            trainer = DPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(model),
-                                 args=DPOConfig(**ours, **common), train_dataset=dataset, processing_class=tokenizer)
+            trainer = DPOTrainer(
+                model=copy.deepcopy(model),
+                ref_model=copy.deepcopy(model),
+                args=DPOConfig(**ours, **common),
+                train_dataset=dataset,
+                processing_class=tokenizer,
+            )
     else:
         if variant == "stock":
-            trainer = trl.RewardTrainer(model=copy.deepcopy(model), args=trl.RewardConfig(**common),
-                                        train_dataset=dataset, processing_class=tokenizer)
+            trainer = trl.RewardTrainer(
+                model=copy.deepcopy(model),
+                args=trl.RewardConfig(**common),
+                train_dataset=dataset,
+                processing_class=tokenizer,
+            )
         else:
-            trainer = RewardTrainer(model=copy.deepcopy(model), args=RewardConfig(**ours, **common),
-                                    train_dataset=dataset, processing_class=tokenizer)
+            trainer = RewardTrainer(
+                model=copy.deepcopy(model),
+                args=RewardConfig(**ours, **common),
+                train_dataset=dataset,
+                processing_class=tokenizer,
+            )
     for callback in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(callback)
     trainer.timer = Timer(cuda)
@@ -192,7 +228,7 @@ def run_profile(kind, model, tokenizer, dataset, args, tmp):
         train_one_epoch(trainer, cuda)
     counts = {v: (t.counter.positions, t.counter.tokens, t.counter.batches) for v, t in trainers.items()}
     for round_ in range(args.repeats):
-        for variant in VARIANTS[round_ % len(VARIANTS):] + VARIANTS[: round_ % len(VARIANTS)]:
+        for variant in VARIANTS[round_ % len(VARIANTS) :] + VARIANTS[: round_ % len(VARIANTS)]:
             train_one_epoch(trainers[variant], cuda)
     results = {}
     for variant, trainer in trainers.items():
@@ -223,8 +259,9 @@ def build_model(kind, tokenizer, args):
         sizes = dict(hidden_size=args.hidden_size, num_layers=args.layers)
         vocab = len(tokenizer)
     else:  # ~0.5B parameters, Qwen2.5-0.5B-like shape, built from config (no download)
-        sizes = dict(hidden_size=896, num_layers=24, intermediate_size=4864, num_attention_heads=14,
-                     num_key_value_heads=2)
+        sizes = dict(
+            hidden_size=896, num_layers=24, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2
+        )
         vocab = 32000
     config = make_config(args.family, vocab, **sizes)
     if kind == "reward":
@@ -241,12 +278,18 @@ def build_model(kind, tokenizer, args):
 
 
 # the paper's speedups of Flex + prefix sharing over their FlexAttention baseline: (sharing alone, with packing)
-PAPER = {"Capybara": (1.54, 1.36), "HH-RLHF": (1.19, 1.48), "MetaMath-DPO": (1.47, 1.60), "TLDR": (1.20, 1.38),
-         "Tulu-Helpsteer": (1.56, 1.52), "UltraFeedback": (1.18, 1.21)}
+PAPER = {
+    "Capybara": (1.54, 1.36),
+    "HH-RLHF": (1.19, 1.48),
+    "MetaMath-DPO": (1.47, 1.60),
+    "TLDR": (1.20, 1.38),
+    "Tulu-Helpsteer": (1.56, 1.52),
+    "UltraFeedback": (1.18, 1.21),
+}
 
 
 def summarise(results, args):
-    """Per kind and profile: the ideal, each variant's speedup over stock, and the target checks of issue 6."""
+    """Per kind and profile: the ideal, each variant's speedup over stock, and the target checks."""
     rows = {}
     for kind in args.kinds:
         for profile, by_variant in results[kind].items():
@@ -269,10 +312,12 @@ def record_in_package(rows, results, args, command):
     entry = {"device": args.device_name, "model": args.model_desc, "command": command}
     for kind in args.kinds:
         entry[kind] = {
-            profile: {"p_over_c": PROFILES[profile][0] / PROFILES[profile][1],
-                      "ideal": round(rows[kind, profile]["ideal"], 3),
-                      "share_of_ideal": round(rows[kind, profile]["share"], 3),
-                      **{v: round(x, 3) for v, x in rows[kind, profile]["speed"].items() if v != "stock"}}
+            profile: {
+                "p_over_c": PROFILES[profile][0] / PROFILES[profile][1],
+                "ideal": round(rows[kind, profile]["ideal"], 3),
+                "share_of_ideal": round(rows[kind, profile]["share"], 3),
+                **{v: round(x, 3) for v, x in rows[kind, profile]["speed"].items() if v != "stock"},
+            }
             for profile in results[kind]
         }
     recorded[args.mode] = entry
@@ -286,51 +331,76 @@ def write_outputs(results, args, command):
     device = args.device_name
     rows = summarise(results, args)
     gpu = args.mode == "gpu"
-    lines = [f"# Benchmark: stock TRL vs prefix sharing vs packing ({args.mode.upper()})", "",
-             f"Device: {device}. Model: {args.model_desc}. {args.pairs} pairs per profile, per_device_train_batch_size "
-             f"{args.batch_size}, lengths = paper medians x {args.length_scale} with lognormal spread (sigma 0.5), "
-             f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}. Each variant trains one warm-up "
-             f"epoch, then {args.repeats} timed epochs interleaved with the other variants (rotating order); "
-             "throughput is from the median epoch.", "",
-             f"Command: `{command}`", "",
-             "Speedup = pairs/s of the variant / pairs/s of stock TRL in the same run. Ideal = the linear-layer ideal "
-             "`2(p+c)/(p+2c)` measured on this data (stock tokens / shared tokens, padding excluded); stock also pads "
-             "its rows, so a measured speedup can exceed it. Positions = token positions the model runs per pair, "
-             "padding included. Activation memory = bytes autograd saves for backward in one step (max over steps); a packed "
-             "step holds more pairs than `per_device_train_batch_size` (its row budget is that many times the longest "
-             "example), so the pairs per step are given too.",
-             ""]
+    lines = [
+        f"# Benchmark: stock TRL vs prefix sharing vs packing ({args.mode.upper()})",
+        "",
+        f"Device: {device}. Model: {args.model_desc}. {args.pairs} pairs per profile, per_device_train_batch_size "
+        f"{args.batch_size}, lengths = paper medians x {args.length_scale} with lognormal spread (sigma 0.5), "
+        f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}. Each variant trains one warm-up "
+        f"epoch, then {args.repeats} timed epochs interleaved with the other variants (rotating order); "
+        "throughput is from the median epoch.",
+        "",
+        f"Command: `{command}`",
+        "",
+        "Speedup = pairs/s of the variant / pairs/s of stock TRL in the same run. Ideal = the linear-layer ideal "
+        "`2(p+c)/(p+2c)` measured on this data (stock tokens / shared tokens, padding excluded); stock also pads "
+        "its rows, so a measured speedup can exceed it. Positions = token positions the model runs per pair, "
+        "padding included. Activation memory = bytes autograd saves for backward in one step (max over steps); a "
+        "packed step holds more pairs than `per_device_train_batch_size` (its row budget is that many times the "
+        "longest example), so the pairs per step are given too.",
+        "",
+    ]
     if gpu:
-        lines += ["Target (issue 6): beat the paper's speedups over its FlexAttention baseline (sharing / "
-                  "sharing+packing, in the 'paper' column) and use less peak memory than stock.", ""]
+        lines += [
+            "Target: beat the paper's speedups over its FlexAttention baseline (sharing / "
+            "sharing+packing, in the 'paper' column) and use less peak memory than stock.",
+            "",
+        ]
     else:
-        lines += ["Target (issue 6): sharing at least 0.9 of the ideal where prompt >= completion, no slowdown on "
-                  "UltraFeedback.", ""]
+        lines += [
+            "Target: sharing at least 0.9 of the ideal where prompt >= completion, no slowdown on UltraFeedback.",
+            "",
+        ]
     for kind in args.kinds:
-        header = ("| profile | p/c | ideal | sharing | share of ideal | packing | sharing+packing | "
-                  + ("paper (sharing / +packing) | " if gpu else "")
-                  + "target | positions per pair (stock / sharing / packing / both) | packing efficiency "
-                  "(packing / both) | pairs per step (stock / sharing / packing / both) | activation MB per step "
-                  "(stock / sharing / packing / both) |"
-                  + (" peak GPU memory GB (stock / sharing / packing / both) |" if gpu else ""))
+        header = (
+            "| profile | p/c | ideal | sharing | share of ideal | packing | sharing+packing | "
+            + ("paper (sharing / +packing) | " if gpu else "")
+            + "target | positions per pair (stock / sharing / packing / both) | packing efficiency "
+            "(packing / both) | pairs per step (stock / sharing / packing / both) | activation MB per step "
+            "(stock / sharing / packing / both) |"
+            + (" peak GPU memory GB (stock / sharing / packing / both) |" if gpu else "")
+        )
         lines += [f"## {kind.upper()}", "", header, "|" + "---|" * (header.count(" | ") + 1)]
         for profile, by_variant in results[kind].items():
             row = rows[kind, profile]
             speed = row["speed"]
             p, c = PROFILES[profile]
 
-            def each(key, fmt, variants=VARIANTS):
-                return " / ".join("-" if by_variant[v][key] is None else fmt.format(by_variant[v][key])
-                                  for v in variants if v in by_variant)
+            def each(key, fmt, variants=VARIANTS, by_variant=by_variant):
+                return " / ".join(
+                    "-" if by_variant[v][key] is None else fmt.format(by_variant[v][key])
+                    for v in variants
+                    if v in by_variant
+                )
 
-            cells = [profile, f"{p / c:.2f}", f"{row['ideal']:.2f}x", f"{speed['sharing']:.2f}x", f"{row['share']:.2f}",
-                     f"{speed['packing']:.2f}x", f"{speed['sharing+packing']:.2f}x"]
+            cells = [
+                profile,
+                f"{p / c:.2f}",
+                f"{row['ideal']:.2f}x",
+                f"{speed['sharing']:.2f}x",
+                f"{row['share']:.2f}",
+                f"{speed['packing']:.2f}x",
+                f"{speed['sharing+packing']:.2f}x",
+            ]
             if gpu:
                 cells.append(f"{PAPER[profile][0]:.2f}x / {PAPER[profile][1]:.2f}x")
-            cells += ["met" if row["target"] else "**missed**", each("positions_per_pair", "{:.0f}"),
-                      each("packing_efficiency", "{:.1%}", ("packing", "sharing+packing")),
-                      each("pairs_per_step", "{:.1f}"),
-                      each("activation_mb", "{:.1f}")]
+            cells += [
+                "met" if row["target"] else "**missed**",
+                each("positions_per_pair", "{:.0f}"),
+                each("packing_efficiency", "{:.1%}", ("packing", "sharing+packing")),
+                each("pairs_per_step", "{:.1f}"),
+                each("activation_mb", "{:.1f}"),
+            ]
             if gpu:
                 cells.append(each("peak_memory_gb", "{:.2f}"))
             lines.append("| " + " | ".join(cells) + " |")
@@ -406,8 +476,11 @@ def main():
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--out", default="docs/benchmarks")
-    parser.add_argument("--record", action="store_true",
-                        help="also store the speedups in trl_prefix_sharing/data/measured_speedups.json (for `stats`)")
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help="also store the speedups in trl_prefix_sharing/data/measured_speedups.json (for `stats`)",
+    )
     args = parser.parse_args()
     gpu = args.mode == "gpu"
     args.pairs = args.pairs or (256 if gpu else 32)
@@ -421,8 +494,10 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for kind in args.kinds:
             model = build_model(kind, tokenizer, args)
-            args.model_desc = (f"{args.family}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
-                               f"{'bf16, FlexAttention (prefix sharing) vs SDPA (stock)' if gpu else 'fp32, SDPA'}")
+            args.model_desc = (
+                f"{args.family}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+                f"{'bf16, FlexAttention (prefix sharing) vs SDPA (stock)' if gpu else 'fp32, SDPA'}"
+            )
             for profile in args.profiles.split(","):
                 dataset = synthetic_dataset(profile, args.pairs, args.length_scale, seed=0)
                 results[kind][profile] = run_profile(kind, model, tokenizer, dataset, args, tmp)

@@ -7,9 +7,9 @@ activation memory.
 For each profile (median prompt and completion lengths with prompt/completion ratios of about 0.3, 1, 4 and 16) and
 group size G, prompts and their G completions get lognormal lengths around the medians, and a generation batch is built
 exactly as TRL's `_generate_and_score_completions` returns it (left-padded prompts, right-padded completions, masks,
-advantages, `num_items_in_batch`). The same micro-batches go through both trainers' training step (GRPO: TRL's `compute_loss` and
-backward, `--beta > 0` adds the reference pass, as TRL computes it before the step; online DPO: TRL's `_forward` of the
-policy with backward, and of the reference). Timed repeats
+advantages, `num_items_in_batch`). The same micro-batches go through both trainers' training step (GRPO: TRL's
+`compute_loss` and backward, `--beta > 0` adds the reference pass, as TRL computes it before the step; online DPO:
+TRL's `_forward` of the policy with backward, and of the reference). Timed repeats
 of the variants are interleaved (rotating order) and the median taken: ratios from one run, since the machine is
 noisy. Generation (the model's own `generate` of the same lengths, which prefix sharing does not change) is timed once
 per profile to report the speedup with generation included. The ideal is the ratio of positions the model runs,
@@ -31,12 +31,16 @@ import tempfile
 import time
 import zlib
 
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark import build_model, quiet_setup  # noqa: E402
 
+
 TITLES = {"grpo": "GRPO", "online_dpo": "Online DPO"}
-STEPS = {"grpo": "TRL's `compute_loss` + backward (plus the reference pass when beta > 0)",
-         "online_dpo": "TRL's `_forward` of the policy + backward, and of the reference (no grad)"}
+STEPS = {
+    "grpo": "TRL's `compute_loss` + backward (plus the reference pass when beta > 0)",
+    "online_dpo": "TRL's `_forward` of the policy + backward, and of the reference (no grad)",
+}
 # median (prompt, completion) tokens: reasoning (long answers), chat, QA, long-context QA
 PROFILES = {"math-reasoning": (128, 384), "chat": (256, 256), "qa": (1024, 256), "long-context-qa": (2048, 128)}
 
@@ -59,15 +63,22 @@ def generation_batch(profile, groups, g, scale, vocab, pad, eos, seed, device):
             prompts.append(prompt)
             completions.append([rng.randrange(8, vocab) for _ in range(lognormal(rng, c_median) - 1)] + [eos])
     prompt_ids = pad_tensors([torch.tensor(p) for p in prompts], padding_value=pad, padding_side="left")
-    prompt_mask = pad_tensors([torch.ones(len(p), dtype=torch.long) for p in prompts], padding_value=0,
-                              padding_side="left")
+    prompt_mask = pad_tensors(
+        [torch.ones(len(p), dtype=torch.long) for p in prompts], padding_value=0, padding_side="left"
+    )
     completion_ids = pad_tensors([torch.tensor(c) for c in completions], padding_value=pad, padding_side="right")
-    completion_mask = pad_tensors([torch.ones(len(c), dtype=torch.long) for c in completions], padding_value=0,
-                                  padding_side="right")
+    completion_mask = pad_tensors(
+        [torch.ones(len(c), dtype=torch.long) for c in completions], padding_value=0, padding_side="right"
+    )
     advantages = torch.tensor([rng.gauss(0, 1) for _ in prompts])
-    return {"prompt_ids": prompt_ids.to(device), "prompt_mask": prompt_mask.to(device),
-            "completion_ids": completion_ids.to(device), "completion_mask": completion_mask.to(device),
-            "advantages": advantages.to(device), "num_items_in_batch": completion_mask.sum().to(device)}
+    return {
+        "prompt_ids": prompt_ids.to(device),
+        "prompt_mask": prompt_mask.to(device),
+        "completion_ids": completion_ids.to(device),
+        "completion_mask": completion_mask.to(device),
+        "advantages": advantages.to(device),
+        "num_items_in_batch": completion_mask.sum().to(device),
+    }
 
 
 def micro_batches(batch, rows):
@@ -82,16 +93,33 @@ def make_trainer(variant, model, tokenizer, args, tmp):
 
     from trl_prefix_sharing import GRPOConfig, GRPOTrainer, OnlineDPOConfig, OnlineDPOTrainer
 
-    common = dict(output_dir=os.path.join(tmp, variant), per_device_train_batch_size=args.rows,
-                  bf16=args.mode == "gpu", use_cpu=args.mode == "cpu", report_to="none",
-                  gradient_checkpointing=args.gradient_checkpointing, prefix_sharing=variant == "sharing")
+    common = dict(
+        output_dir=os.path.join(tmp, variant),
+        per_device_train_batch_size=args.rows,
+        bf16=args.mode == "gpu",
+        use_cpu=args.mode == "cpu",
+        report_to="none",
+        gradient_checkpointing=args.gradient_checkpointing,
+        prefix_sharing=variant == "sharing",
+    )
     prompts = Dataset.from_list([{"prompt": "w1"}] * 8)
     zero = [lambda completions, **kw: [0.0] * len(completions)]
     if args.trainer == "online_dpo":
-        return OnlineDPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(model).eval(), reward_funcs=zero,
-                                args=OnlineDPOConfig(**common), train_dataset=prompts, processing_class=tokenizer)
-    trainer = GRPOTrainer(model=copy.deepcopy(model), reward_funcs=zero, train_dataset=prompts,
-                          args=GRPOConfig(num_generations=args.num_generations, **common), processing_class=tokenizer)
+        return OnlineDPOTrainer(
+            model=copy.deepcopy(model),
+            ref_model=copy.deepcopy(model).eval(),
+            reward_funcs=zero,
+            args=OnlineDPOConfig(**common),
+            train_dataset=prompts,
+            processing_class=tokenizer,
+        )
+    trainer = GRPOTrainer(
+        model=copy.deepcopy(model),
+        reward_funcs=zero,
+        train_dataset=prompts,
+        args=GRPOConfig(num_generations=args.num_generations, **common),
+        processing_class=tokenizer,
+    )
     trainer.current_gradient_accumulation_steps = 1  # set by the Trainer's loop, which this step does not run
     if args.beta:  # an in-memory reference model (TRL would reload one from the model's path)
         trainer.beta = args.beta
@@ -112,7 +140,8 @@ def grpo_step(trainer, batch):
             ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
             mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
             batch["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
-                trainer.ref_model, ids, mask, batch["completion_ids"].shape[1])[0]
+                trainer.ref_model, ids, mask, batch["completion_ids"].shape[1]
+            )[0]
     trainer.compute_loss(trainer.model, batch).backward()
 
 
@@ -140,7 +169,7 @@ def training_step(trainer, batches, cuda, args):
     for batch in batches:
         storages = {}
 
-        def pack(tensor):
+        def pack(tensor, storages=storages):
             if tensor.device.type != "meta":
                 storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
             return tensor
@@ -161,9 +190,14 @@ def generation_time(model, batch, cuda):
     model = model.eval()
     start = time.perf_counter()
     with torch.no_grad():
-        model.generate(input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"], do_sample=True,
-                       max_new_tokens=batch["completion_ids"].shape[1], min_new_tokens=batch["completion_ids"].shape[1],
-                       pad_token_id=0)
+        model.generate(
+            input_ids=batch["prompt_ids"],
+            attention_mask=batch["prompt_mask"],
+            do_sample=True,
+            max_new_tokens=batch["completion_ids"].shape[1],
+            min_new_tokens=batch["completion_ids"].shape[1],
+            pad_token_id=0,
+        )
     if cuda:
         torch.cuda.synchronize()
     return time.perf_counter() - start
@@ -175,16 +209,24 @@ def run(profile, g, model, tokenizer, args, tmp):
     args.num_generations, args.rows = g, args.groups_per_step * g
     cuda = args.mode == "gpu"
     device = "cuda" if cuda else "cpu"
-    batch = generation_batch(profile, args.groups_per_step * args.micro_batches, g, args.length_scale, len(tokenizer),
-                             tokenizer.pad_token_id, tokenizer.eos_token_id, seed=zlib.crc32(f"{profile}/{g}".encode()),
-                             device=device)
+    batch = generation_batch(
+        profile,
+        args.groups_per_step * args.micro_batches,
+        g,
+        args.length_scale,
+        len(tokenizer),
+        tokenizer.pad_token_id,
+        tokenizer.eos_token_id,
+        seed=zlib.crc32(f"{profile}/{g}".encode()),
+        device=device,
+    )
     batches = micro_batches(batch, args.rows)
     trainers = {variant: make_trainer(variant, model, tokenizer, args, tmp) for variant in ("stock", "sharing")}
     activations = {variant: training_step(trainer, batches, cuda, args)[1] for variant, trainer in trainers.items()}
     times = {variant: [] for variant in trainers}
     order = list(trainers)
     for repeat in range(args.repeats):
-        for variant in order[repeat % 2:] + order[: repeat % 2]:
+        for variant in order[repeat % 2 :] + order[: repeat % 2]:
             times[variant].append(training_step(trainers[variant], batches, cuda, args)[0])
     stock_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     if args.trainer == "online_dpo":  # stock scores each row from its first token to its end (trailing padding too)
@@ -196,7 +238,9 @@ def run(profile, g, model, tokenizer, args, tmp):
     for b in batches:
         ids = torch.cat([b["prompt_ids"], b["completion_ids"]], dim=1)
         mask = torch.cat([b["prompt_mask"], b["completion_mask"]], dim=1)
-        layout = shared_group_layout(ids, mask, b["prompt_ids"].shape[1], 0, score_padding=args.trainer == "online_dpo")
+        layout = shared_group_layout(
+            ids, mask, b["prompt_ids"].shape[1], 0, score_padding=args.trainer == "online_dpo"
+        )
         shared_positions += int((layout["document_ids"] >= 0).sum())  # online DPO also scores stock's padding
     step = {variant: statistics.median(t) for variant, t in times.items()}
     generate = generation_time(copy.deepcopy(model), batch, cuda)
@@ -205,12 +249,22 @@ def run(profile, g, model, tokenizer, args, tmp):
     prompt_tokens = int(batch["prompt_mask"].sum()) / batch["prompt_mask"].shape[0]
     completion_tokens = int(batch["completion_mask"].sum()) / batch["completion_mask"].shape[0]
     return {
-        "profile": profile, "G": g, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-        "p_over_c": prompt_tokens / completion_tokens, "stock_positions": stock_positions,
-        "shared_positions": shared_positions, "ideal": ideal, "step_s": step, "step_times_s": times,
-        "speedup": speedup, "share_of_ideal": speedup / ideal, "generation_s": generate,
+        "profile": profile,
+        "G": g,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "p_over_c": prompt_tokens / completion_tokens,
+        "stock_positions": stock_positions,
+        "shared_positions": shared_positions,
+        "ideal": ideal,
+        "step_s": step,
+        "step_times_s": times,
+        "speedup": speedup,
+        "share_of_ideal": speedup / ideal,
+        "generation_s": generate,
         "speedup_with_generation": (generate + step["stock"]) / (generate + step["sharing"]),
-        "activation_bytes": activations, "activation_ratio": activations["sharing"] / activations["stock"],
+        "activation_bytes": activations,
+        "activation_ratio": activations["sharing"] / activations["stock"],
     }
 
 
@@ -220,20 +274,32 @@ def write(results, args, device, command):
     import trl
 
     os.makedirs(args.out, exist_ok=True)
-    meta = {"device": device, "command": command, "torch": torch.__version__, "transformers": transformers.__version__,
-            "trl": trl.__version__, "model": f"{args.family}, hidden {args.hidden_size}, {args.layers} layers",
-            "length_scale": args.length_scale, "beta": args.beta, "groups_per_micro_batch": args.groups_per_step,
-            "micro_batches": args.micro_batches, "repeats": args.repeats}
+    meta = {
+        "device": device,
+        "command": command,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+        "model": f"{args.family}, hidden {args.hidden_size}, {args.layers} layers",
+        "length_scale": args.length_scale,
+        "beta": args.beta,
+        "groups_per_micro_batch": args.groups_per_step,
+        "micro_batches": args.micro_batches,
+        "repeats": args.repeats,
+    }
     name = f"{args.trainer}_{args.mode}"
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     lines = [
-        f"# {TITLES[args.trainer]}: stock TRL vs prefix sharing ({args.mode.upper()})", "",
+        f"# {TITLES[args.trainer]}: stock TRL vs prefix sharing ({args.mode.upper()})",
+        "",
         f"Made by `{command}` ({device}; torch {torch.__version__}, transformers {transformers.__version__}, "
         f"trl {trl.__version__}; {meta['model']}; lengths x {args.length_scale}; {args.groups_per_step} prompts x G "
         f"generations per micro-batch, {args.micro_batches} micro-batches per step; beta={args.beta}; median of "
-        f"{args.repeats} interleaved repeats).", "",
-        f"Training step = {STEPS[args.trainer]}, over every micro-batch of one generation batch. *Ideal* = stock positions / shared positions on these batches, "
+        f"{args.repeats} interleaved repeats).",
+        "",
+        f"Training step = {STEPS[args.trainer]}, over every micro-batch of one generation batch. *Ideal* = stock "
+        "positions / shared positions on these batches, "
         "`G(P+C)/(P+GC)` for equal lengths. Generation (the same in both) is timed once with the model's `generate`.",
         "",
         "| profile | G | prompt | completion | p/c | ideal | step speedup | share of ideal | with generation | "
@@ -241,9 +307,11 @@ def write(results, args, device, command):
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        lines.append(f"| {r['profile']} | {r['G']} | {r['prompt_tokens']:.0f} | {r['completion_tokens']:.0f} | "
-                     f"{r['p_over_c']:.2f} | {r['ideal']:.2f}x | {r['speedup']:.2f}x | {r['share_of_ideal']:.2f} | "
-                     f"{r['speedup_with_generation']:.2f}x | {r['activation_ratio']:.2f} |")
+        lines.append(
+            f"| {r['profile']} | {r['G']} | {r['prompt_tokens']:.0f} | {r['completion_tokens']:.0f} | "
+            f"{r['p_over_c']:.2f} | {r['ideal']:.2f}x | {r['speedup']:.2f}x | {r['share_of_ideal']:.2f} | "
+            f"{r['speedup_with_generation']:.2f}x | {r['activation_ratio']:.2f} |"
+        )
     with open(os.path.join(args.out, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -278,9 +346,11 @@ def main():
         for profile in args.profiles.split(","):
             for g in map(int, args.generations.split(",")):
                 result = run(profile, g, model, tokenizer, args, tmp)
-                print(f"{profile} G={g}: ideal {result['ideal']:.2f}x, step {result['speedup']:.2f}x "
-                      f"({result['share_of_ideal']:.2f} of ideal), activations x{result['activation_ratio']:.2f}",
-                      flush=True)
+                print(
+                    f"{profile} G={g}: ideal {result['ideal']:.2f}x, step {result['speedup']:.2f}x "
+                    f"({result['share_of_ideal']:.2f} of ideal), activations x{result['activation_ratio']:.2f}",
+                    flush=True,
+                )
                 results.append(result)
     write(results, args, device, command.strip())
 

@@ -11,7 +11,7 @@ import random
 from trl_prefix_sharing import MultipackSampler
 
 
-# median prompt / completion tokens (issue 6 / the paper's Table)
+# median prompt / completion tokens (the paper's table)
 PROFILES = {
     "Capybara": (712, 448),
     "HH-RLHF": (127, 59),

@@ -19,6 +19,7 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
 from torch.nn.attention import flex_attention as flex_module
 
+
 #: torch's warning when FlexAttention runs uncompiled
 EAGER_FLEX_WARNING = "flex_attention called without torch.compile()"
 
@@ -121,6 +122,7 @@ def compile_schedule(train_size: int, eval_size: int, batch_size: int, steps: in
         schedule.append(("train", order[:batch_size]))
         order = order[batch_size:]
         if (step + 1) % eval_every == 0:
-            schedule.extend(("eval", list(range(i, min(i + batch_size, eval_size))))
-                            for i in range(0, eval_size, batch_size))
+            schedule.extend(
+                ("eval", list(range(i, min(i + batch_size, eval_size)))) for i in range(0, eval_size, batch_size)
+            )
     return schedule

@@ -1,12 +1,18 @@
 """CUDA only (skipped elsewhere): the path CUDA users take, `prefix_sharing_attn_implementation="auto"` = compiled
 `create_block_mask` + transformers' compiled `flex_attention`, trains to stock TRL's numbers (FlexAttention has no
 backward on CPU, so this is where its gradients are checked), compiles a bounded number of times and never runs
-FlexAttention uncompiled. Commands and results: docs/benchmarks/gpu_tests.md.
+FlexAttention uncompiled. 40 tests; run them with `python scripts/gpu_check.py --part tests --out DIR`, which also
+collects the compile counts and the long-row peak memory they record. Commands and results:
+docs/benchmarks/gpu_tests.md.
 
 - the matrix: the four families x {sharing, sharing + packing} x {DPO, reward, ranked reward}, fp32 (TF32 off), equal
-  to stock at the CPU tests' tolerance (1e-5), gradient checkpointing on (TRL's default);
-- bf16 within README "Precision"'s tolerance; sliding-window models; LoRA;
+  to stock at the CPU tests' tolerance (1e-5), gradient checkpointing on (TRL's default, switched on as `train()`
+  does);
+- bf16 within README "Precision"'s tolerance; sliding-window models; LoRA; GRPO and online DPO passes;
 - compile stability over 39 training and evaluation steps of varying lengths; peak memory of a long-row step.
+
+The tiny models get a head size of 16 (`CUDA_SIZES`): CUDA FlexAttention refuses head sizes under 16 ("NYI: embedding
+dimension of the query, key, and value must be at least 16"), and the tiny models' default is 8.
 """
 
 import pytest
@@ -26,6 +32,7 @@ from test_reward_equivalence import ranked_dataset
 from trl_prefix_sharing.ranked import expand_ranked_to_pairs
 from trl_prefix_sharing.testing import FAMILIES, make_model, synthetic_pairs
 
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlexAttention backward)")
 
 FP32 = {"atol": 1e-5, "rtol": 1e-5}  # the CPU tests' tolerance
@@ -34,6 +41,8 @@ FP32 = {"atol": 1e-5, "rtol": 1e-5}  # the CPU tests' tolerance
 # 0.0034 nats from stock, SDPA 0.0010; about 3x that here for the CUDA kernels, not measured on a GPU yet
 BF16 = {"atol": 0.01, "rtol": 0}
 ON_GPU = {"use_cpu": False, "gradient_checkpointing": True}
+#: config overrides of every model built here: hidden 64 over 4 heads, a head size of 16 (CUDA FlexAttention's least)
+CUDA_SIZES = {"hidden_size": 64}
 
 
 @pytest.fixture(autouse=True)
@@ -47,9 +56,39 @@ def exact_fp32_and_fresh_compiles():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+def head_size(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def is_checkpointing(model) -> bool:
+    """transformers' own test (`is_activation_checkpointing`), without its deprecated alias's warning."""
+    return any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
+
+
+def checkpoint_as_train_does(*trainers):
+    """Turn on activation checkpointing as `Trainer.train()` does. transformers 5.23 switches it on in `train()`, not
+    when the trainer is built, and these tests call the loss directly; TRL's default `gradient_checkpointing=True`
+    would otherwise never run here."""
+    for trainer in trainers:
+        args = trainer.args
+        assert args.gradient_checkpointing
+        kwargs = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs
+        kwargs = dict(kwargs or {})
+        kwargs.pop("every_n_layers", None), kwargs.pop("offload", None)
+        if hasattr(trainer.model, "activation_checkpointing_enable"):
+            trainer.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None)
+        else:
+            trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+        assert is_checkpointing(trainer.model)
+    return trainers
+
+
 def _check_flex(trainer, batch):
+    """Called after a step: FlexAttention with BlockMasks, checkpointing still on (TRL's reference pass switches it
+    off and back), a head size CUDA FlexAttention accepts."""
     assert trainer.sharing.attn_implementation == "flex_attention"
-    assert trainer.model.is_gradient_checkpointing
+    assert is_checkpointing(trainer.model)
+    assert head_size(trainer.model.config) >= 16
     masks = batch["prefix_sharing"]["attention_mask"]
     masks = masks.values() if isinstance(masks, dict) else [masks]
     assert all(type(mask).__name__ == "BlockMask" for mask in masks)
@@ -63,7 +102,17 @@ def _ours(packing, **extra):
 @pytest.mark.parametrize("packing", [False, True], ids=["sharing", "sharing+packing"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_dpo_step_matches_stock(tmp_path, tokenizer, family, packing):
-    stock, shared = make_trainers(tmp_path, family, awkward_text_dataset(), tokenizer, ours=_ours(packing), **ON_GPU)
+    stock, shared = checkpoint_as_train_does(
+        *make_trainers(
+            tmp_path,
+            family,
+            awkward_text_dataset(),
+            tokenizer,
+            config_kwargs=CUDA_SIZES,
+            ours=_ours(packing),
+            **ON_GPU,
+        )
+    )
     _, result = compare_step(stock, shared, **FP32)
     _check_flex(shared, result["batch"])
     if packing:
@@ -75,9 +124,18 @@ def test_dpo_step_matches_stock(tmp_path, tokenizer, family, packing):
 @pytest.mark.parametrize("packing", [False, True], ids=["sharing", "sharing+packing"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_reward_step_matches_stock(tmp_path, tokenizer, family, packing):
-    stock, shared = make_reward_trainers(tmp_path, family, awkward_text_dataset(), tokenizer, ours=_ours(packing),
-                                         **ON_GPU)
-    examples = [row for row in stock.train_dataset]
+    stock, shared = checkpoint_as_train_does(
+        *make_reward_trainers(
+            tmp_path,
+            family,
+            awkward_text_dataset(),
+            tokenizer,
+            config_kwargs=CUDA_SIZES,
+            ours=_ours(packing),
+            **ON_GPU,
+        )
+    )
+    examples = list(stock.train_dataset)
     stock_result = reward_step(stock, examples)
     shared_result = reward_step(shared, examples, pairs_in_window=len(examples) if packing else None)
     _check_flex(shared, shared_result["batch"])
@@ -89,11 +147,21 @@ def test_reward_step_matches_stock(tmp_path, tokenizer, family, packing):
 def test_ranked_reward_step_matches_stock_on_expanded_pairs(tmp_path, tokenizer, family, packing):
     ranked = ranked_dataset()
     pairs = expand_ranked_to_pairs(ranked)
-    stock, ours = make_reward_trainers(tmp_path, family, ranked, tokenizer, stock_dataset=pairs, ours=_ours(packing),
-                                       center_rewards_coefficient=0.1, **ON_GPU)
-    stock_result = reward_step(stock, [row for row in stock.train_dataset])
-    ours_result = reward_step(ours, [row for row in ours.train_dataset],
-                              pairs_in_window=len(pairs) if packing else None)
+    stock, ours = checkpoint_as_train_does(
+        *make_reward_trainers(
+            tmp_path,
+            family,
+            ranked,
+            tokenizer,
+            stock_dataset=pairs,
+            ours=_ours(packing),
+            config_kwargs=CUDA_SIZES,
+            center_rewards_coefficient=0.1,
+            **ON_GPU,
+        )
+    )
+    stock_result = reward_step(stock, list(stock.train_dataset))
+    ours_result = reward_step(ours, list(ours.train_dataset), pairs_in_window=len(pairs) if packing else None)
     _check_flex(ours, ours_result["batch"])
     assert_same_reward_step(stock_result, ours_result, compare_rewards=False, **FP32)
 
@@ -101,11 +169,14 @@ def test_ranked_reward_step_matches_stock_on_expanded_pairs(tmp_path, tokenizer,
 # ------------------------------------------------------------------------------------------------- bf16, sliding, LoRA
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_log_probs_within_bf16_tolerance(tmp_path, tokenizer, family):
-    model = make_model(family, len(tokenizer)).to(torch.bfloat16)
-    ref = make_model(family, len(tokenizer), seed=1).to(torch.bfloat16)
-    stock, shared = make_trainers(tmp_path, family, awkward_text_dataset(), tokenizer, model=model, ref_model=ref,
-                                  bf16=True, **ON_GPU)
-    examples = [row for row in stock.train_dataset]
+    model = make_model(family, len(tokenizer), **CUDA_SIZES).to(torch.bfloat16)
+    ref = make_model(family, len(tokenizer), seed=1, **CUDA_SIZES).to(torch.bfloat16)
+    stock, shared = checkpoint_as_train_does(
+        *make_trainers(
+            tmp_path, family, awkward_text_dataset(), tokenizer, model=model, ref_model=ref, bf16=True, **ON_GPU
+        )
+    )
+    examples = list(stock.train_dataset)
     stock_result, shared_result = step(stock, examples), step(shared, examples)
     _check_flex(shared, shared_result["batch"])
     assert all(p.dtype == torch.bfloat16 for p in shared.model.parameters())
@@ -115,13 +186,28 @@ def test_bf16_log_probs_within_bf16_tolerance(tmp_path, tokenizer, family):
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["sharing", "sharing+packing"])
-@pytest.mark.parametrize("family,config_kwargs", [
-    ("mistral", {"sliding_window": 6}),  # every layer slides
-    ("qwen3", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),  # full and sliding layers
-])
+@pytest.mark.parametrize(
+    "family,config_kwargs",
+    [
+        ("mistral", {"sliding_window": 6}),  # every layer slides
+        (
+            "qwen3",
+            {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
+        ),  # full and sliding layers
+    ],
+)
 def test_sliding_window_matches_stock(tmp_path, tokenizer, family, config_kwargs, packing):
-    stock, shared = make_trainers(tmp_path, family, awkward_text_dataset(), tokenizer, config_kwargs=config_kwargs,
-                                  ours=_ours(packing), **ON_GPU)
+    stock, shared = checkpoint_as_train_does(
+        *make_trainers(
+            tmp_path,
+            family,
+            awkward_text_dataset(),
+            tokenizer,
+            config_kwargs={**CUDA_SIZES, **config_kwargs},
+            ours=_ours(packing),
+            **ON_GPU,
+        )
+    )
     _, result = compare_step(stock, shared, **FP32)
     _check_flex(shared, result["batch"])
 
@@ -130,14 +216,25 @@ def test_dpo_lora_matches_stock(tmp_path, tokenizer):
     from peft import LoraConfig
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
-    stock, shared = make_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer, ref_model=None,
-                                  peft_config=lora, **ON_GPU)
+    stock, shared = checkpoint_as_train_does(
+        *make_trainers(
+            tmp_path,
+            "llama",
+            awkward_text_dataset(),
+            tokenizer,
+            ref_model=None,
+            peft_config=lora,
+            config_kwargs=CUDA_SIZES,
+            **ON_GPU,
+        )
+    )
     for trainer in (stock, shared):  # adapters away from zero: the policy differs from the reference (adapters off)
         torch.manual_seed(7)
         for name, param in trainer.model.named_parameters():
             if "lora_B" in name:
                 param.data.normal_(0, 0.05)
     _, result = compare_step(stock, shared, **FP32)
+    _check_flex(shared, result["batch"])
     assert result["grads"] and all("lora" in name for name in result["grads"])
 
 
@@ -145,65 +242,102 @@ def test_reward_lora_matches_stock(tmp_path, tokenizer):
     from peft import LoraConfig
 
     lora = LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    stock, shared = make_reward_trainers(tmp_path, "qwen2", awkward_text_dataset(), tokenizer, peft_config=lora,
-                                         **ON_GPU)
-    examples = [row for row in stock.train_dataset]
-    assert_same_reward_step(reward_step(stock, examples), reward_step(shared, examples), **FP32)
+    stock, shared = checkpoint_as_train_does(
+        *make_reward_trainers(
+            tmp_path, "qwen2", awkward_text_dataset(), tokenizer, peft_config=lora, config_kwargs=CUDA_SIZES, **ON_GPU
+        )
+    )
+    examples = list(stock.train_dataset)
+    stock_result, shared_result = reward_step(stock, examples), reward_step(shared, examples)
+    _check_flex(shared, shared_result["batch"])
+    assert_same_reward_step(stock_result, shared_result, **FP32)
 
 
 # ------------------------------------------------------------------------------------------------- compilation
-#: compiled variants each function may need over the schedule. `create_block_mask` runs without autograd: the first
-#: shape, then the width (past the first 128-token bucket) and the row count (a shorter last batch) made dynamic, and
-#: the one-row batch (dynamo specialises sizes 0 and 1): 4. FlexAttention compiles that per grad mode (policy passes
-#: with gradients; reference and evaluation passes without), except the one-row batch (evaluation only): 7. dynamo's
-#: own limit, past which FlexAttention would run eagerly, is 8: close, which is why this is measured.
+#: compiled variants each function may need over the schedule: ESTIMATES from the CPU runs (docs/benchmarks/
+#: gpu_tests.md), to be replaced by the counts `scripts/gpu_check.py --part tests` measures on a GPU (it records
+#: them in `gpu_tests.json`, under "recompiles"). `create_block_mask` runs without autograd: the first shape, then the
+#: width (past the first 128-token bucket) and the row count (a shorter last batch) made dynamic, and the one-row batch
+#: (dynamo specialises sizes 0 and 1): 4. FlexAttention compiles that per grad mode (policy passes with gradients;
+#: reference and evaluation passes without), except the one-row batch (evaluation only): 7. dynamo's own limit, past
+#: which FlexAttention would run eagerly, is 8: close, which is why this is measured.
 MAX_VARIANTS = {"create_block_mask": 4, "flex_attention": 7}
 
 
-def test_compiles_a_bounded_number_of_times_over_training_and_evaluation(tmp_path, tokenizer, monkeypatch):
+def test_compiles_a_bounded_number_of_times_over_training_and_evaluation(
+    tmp_path, tokenizer, monkeypatch, record_property
+):
     # documents of 5 to about 250 tokens: widths vary per batch and cross the first 128-token bucket
     train, evaluation = synthetic_pairs(46, (1, 150), (1, 50), seed=5), synthetic_pairs(9, (1, 150), (1, 50), seed=6)
-    stock, shared = make_trainers(tmp_path, "llama", train, tokenizer, eval_dataset=evaluation, **ON_GPU)
+    stock, shared = checkpoint_as_train_does(
+        *make_trainers(
+            tmp_path, "llama", train, tokenizer, eval_dataset=evaluation, config_kwargs=CUDA_SIZES, **ON_GPU
+        )
+    )
     for trainer in (stock, shared):
         trainer.ref_model.eval()  # as `from_pretrained` leaves it: every step switches FlexAttention's training flag
-    datasets = {"train": (stock.train_dataset, shared.train_dataset), "eval": (stock.eval_dataset, shared.eval_dataset)}
+    datasets = {
+        "train": (stock.train_dataset, shared.train_dataset),
+        "eval": (stock.eval_dataset, shared.eval_dataset),
+    }
     schedule = compile_schedule(len(train), len(evaluation), batch_size=4, steps=30, eval_every=10)
-    widths = set()
+    widths, done = set(), 0
     with CompileWatch(monkeypatch) as watch:
-        for mode, indices in schedule:
-            stock_data, shared_data = datasets[mode]
-            if mode == "train":  # a training step: policy forward and backward, reference forward
-                expected = step(stock, [stock_data[i] for i in indices])
-                got = step(shared, [shared_data[i] for i in indices])
-                for key in ("chosen", "rejected", "loss"):
-                    torch.testing.assert_close(got[key], expected[key], **FP32)
-                batch = got["batch"]
-            else:  # an evaluation step
-                losses = []
-                for trainer, data in ((stock, stock_data), (shared, shared_data)):
-                    trainer.model.eval()
-                    batch = trainer._prepare_inputs(trainer.data_collator([data[i] for i in indices]))
-                    with torch.no_grad():
-                        losses.append(trainer.compute_loss(trainer.model, batch))
-                torch.testing.assert_close(losses[1], losses[0], **FP32)
-            _check_flex(shared, batch)
-            widths.add(batch["prefix_sharing"]["input_ids"].shape[1])
+        try:
+            for mode, indices in schedule:
+                stock_data, shared_data = datasets[mode]
+                if mode == "train":  # a training step: policy forward and backward, reference forward
+                    expected = step(stock, [stock_data[i] for i in indices])
+                    got = step(shared, [shared_data[i] for i in indices])
+                    for key in ("chosen", "rejected", "loss"):
+                        torch.testing.assert_close(got[key], expected[key], **FP32)
+                    batch = got["batch"]
+                else:  # an evaluation step
+                    losses = []
+                    for trainer, data in ((stock, stock_data), (shared, shared_data)):
+                        trainer.model.eval()
+                        batch = trainer._prepare_inputs(trainer.data_collator([data[i] for i in indices]))
+                        with torch.no_grad():
+                            losses.append(trainer.compute_loss(trainer.model, batch))
+                    torch.testing.assert_close(losses[1], losses[0], **FP32)
+                _check_flex(shared, batch)
+                widths.add(batch["prefix_sharing"]["input_ids"].shape[1])
+                done += 1
+        finally:  # the counts reach gpu_check's report even when an assertion below (or above) fails
+            record_property(
+                "compile_report",
+                {
+                    **watch.report(),
+                    "batches": done,
+                    "of": len(schedule),
+                    "widths": sorted(widths),
+                    "bounds": MAX_VARIANTS,
+                },
+            )
         report = watch.assert_compiled_and_bounded(MAX_VARIANTS)
     assert report["train_eval_switches"] >= 2 * 30 - 1
     assert len(schedule) >= 30 and len(widths) >= 2, widths  # more than one 128-token bucket
     print(f"compile report over {len(schedule)} batches (widths {sorted(widths)}):", report)
 
 
-def test_long_row_step_does_not_materialise_the_score_matrix(tmp_path, tokenizer, monkeypatch):
+def test_long_row_step_does_not_materialise_the_score_matrix(tmp_path, tokenizer, monkeypatch, record_property):
     """One packed row of 8192 tokens, forward and backward: compiled FlexAttention needs memory linear in the row;
     eager FlexAttention (or a dense mask) would hold `rows x heads x S x S` scores, 1 GiB per layer here in fp32."""
     length, heads = 8192, 4
     dataset = synthetic_pairs(4, (1800, 1900), (20, 60), seed=9)
-    stock, shared = make_trainers(tmp_path, "qwen3", dataset, tokenizer, **ON_GPU,
-                                  config_kwargs={"max_position_embeddings": 2 * length},
-                                  ours={"prefix_sharing": True, "packing": True, "packing_length": length})
+    stock, shared = checkpoint_as_train_does(
+        *make_trainers(
+            tmp_path,
+            "qwen3",
+            dataset,
+            tokenizer,
+            **ON_GPU,
+            config_kwargs={**CUDA_SIZES, "max_position_embeddings": 2 * length},
+            ours={"prefix_sharing": True, "packing": True, "packing_length": length},
+        )
+    )
     shared.ref_model.eval()
-    examples = [row for row in shared.train_dataset]
+    examples = list(shared.train_dataset)
     with CompileWatch(monkeypatch) as watch:
         step(shared, examples)  # compile first
         torch.cuda.synchronize()
@@ -212,11 +346,23 @@ def test_long_row_step_does_not_materialise_the_score_matrix(tmp_path, tokenizer
         result = step(shared, examples)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
+        scores = 1 * heads * length * length * 4
+        record_property(
+            "peak_memory_gb",
+            {
+                f"long_row_{length}_step_above_weights": peak / 2**30,
+                f"long_row_{length}_total": torch.cuda.max_memory_allocated() / 2**30,
+                "one_layer_fp32_scores": scores / 2**30,
+            },
+        )
+        record_property("long_row_compile_report", watch.report())
         watch.assert_compiled_and_bounded(MAX_VARIANTS)
     layout = result["batch"]["prefix_sharing"]
     assert layout["input_ids"].shape == (1, length) and int((layout["document_ids"] >= 0).sum()) > length // 2
-    scores = 1 * heads * length * length * 4
-    print(f"peak memory of a {length}-token step: {peak / 2**20:.1f} MiB; one layer's scores: {scores / 2**20:.0f} MiB")
+    _check_flex(shared, result["batch"])
+    print(
+        f"peak memory of a {length}-token step: {peak / 2**20:.1f} MiB; one layer's scores: {scores / 2**20:.0f} MiB"
+    )
     assert peak < scores / 10
 
 
@@ -231,18 +377,23 @@ def test_grpo_and_online_dpo_flex_log_probs_and_gradients_match_stock(tmp_path, 
 
     input_ids, attention_mask, keep = crafted_batch(tokenizer)
     input_ids, attention_mask = input_ids.cuda(), attention_mask.cuda()
-    path = save_model(tmp_path, family, tokenizer)
-    stock, shared = (make_group_trainer("grpo", ours, path, prompt_dataset(), tokenizer, tmp_path, use_cpu=False)
-                     for ours in (False, True))
-    assert shared.sharing.attn_implementation == "flex_attention"
+    path = save_model(tmp_path, family, tokenizer, **CUDA_SIZES)
+    stock, shared = (
+        make_group_trainer("grpo", ours, path, prompt_dataset(), tokenizer, tmp_path, use_cpu=False)
+        for ours in (False, True)
+    )
+    assert shared.sharing.attn_implementation == "flex_attention" and head_size(shared.model.config) >= 16
     expected, got = (logps_and_grads(t, input_ids, attention_mask, keep) for t in (stock, shared))
     torch.testing.assert_close(got[0], expected[0], atol=1e-4, rtol=1e-4)
     for name, grad in expected[2].items():
         torch.testing.assert_close(got[2][name], grad, atol=1e-4, rtol=1e-3)
-    stock, shared = make_online_dpo_trainers(tmp_path / "online", family, tokenizer, use_cpu=False)
-    assert shared.sharing.attn_implementation == "flex_attention"
-    (expected, expected_grads), (got, grads) = (forward_and_grads(t, input_ids, attention_mask, keep)
-                                                for t in (stock, shared))
+    stock, shared = make_online_dpo_trainers(
+        tmp_path / "online", family, tokenizer, config_kwargs=CUDA_SIZES, use_cpu=False
+    )
+    assert shared.sharing.attn_implementation == "flex_attention" and head_size(shared.model.config) >= 16
+    (expected, expected_grads), (got, grads) = (
+        forward_and_grads(t, input_ids, attention_mask, keep) for t in (stock, shared)
+    )
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     for name, grad in expected_grads.items():
         torch.testing.assert_close(grads[name], grad, atol=1e-4, rtol=1e-3)

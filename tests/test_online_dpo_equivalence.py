@@ -18,9 +18,10 @@ from trl_prefix_sharing import OnlineDPOConfig, OnlineDPOTrainer
 from trl_prefix_sharing.testing import FAMILIES, make_model
 
 
-def make_trainers(tmp_path, family, tokenizer, dataset=None, peft_config=None, **overrides):
-    model = make_model(family, len(tokenizer), seed=0)
-    ref = None if peft_config is not None else make_model(family, len(tokenizer), seed=1)
+def make_trainers(tmp_path, family, tokenizer, dataset=None, peft_config=None, config_kwargs=None, **overrides):
+    config_kwargs = config_kwargs or {}
+    model = make_model(family, len(tokenizer), seed=0, **config_kwargs)
+    ref = None if peft_config is not None else make_model(family, len(tokenizer), seed=1, **config_kwargs)
     kwargs = dict(
         per_device_train_batch_size=4,
         max_new_tokens=6,

@@ -19,6 +19,7 @@ import json
 import random
 from importlib import resources
 
+
 __all__ = [
     "FAMILIES",
     "TINY_CONFIGS",
@@ -32,10 +33,22 @@ __all__ = [
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 _MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
-_MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, qk_head_dim=8, v_head_dim=8,
-            n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1, num_key_value_heads=4)
-#: family (model_type) -> what its tiny config needs on top of `make_config`'s common sizes (any model_type transformers
-#: knows is accepted; these are the ones whose defaults do not fit a tiny model or that need small experts)
+_MLA = dict(
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_rope_head_dim=4,
+    qk_nope_head_dim=4,
+    qk_head_dim=8,
+    v_head_dim=8,
+    n_group=1,
+    topk_group=1,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    num_key_value_heads=4,
+)
+#: family (model_type) -> what its tiny config needs on top of `make_config`'s common sizes (any model_type
+#: transformers knows is accepted; these are the ones whose defaults do not fit a tiny model or that need small
+#: experts)
 TINY_CONFIGS = {
     "deepseek_v2": {**_MOE, **_MLA},
     "deepseek_v3": {**_MOE, **_MLA},
@@ -74,10 +87,39 @@ CHAT_TEMPLATE = (
     "{{ value }}{% endif %}{% endfor %} ) {% endfor %} <|end|> {% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
 )
-WORDS = [f"w{i}" for i in range(200)] + [str(i) for i in range(100)] + [
-    "the", "a", "of", "and", "to", "is", "what", "how", "why", "answer", "question", "step", "so", "sum", "total",
-    "plus", "minus", "times", "equals", "yes", "no", "good", "bad", "because", "therefore", "first", "then",
-]
+WORDS = (
+    [f"w{i}" for i in range(200)]
+    + [str(i) for i in range(100)]
+    + [
+        "the",
+        "a",
+        "of",
+        "and",
+        "to",
+        "is",
+        "what",
+        "how",
+        "why",
+        "answer",
+        "question",
+        "step",
+        "so",
+        "sum",
+        "total",
+        "plus",
+        "minus",
+        "times",
+        "equals",
+        "yes",
+        "no",
+        "good",
+        "bad",
+        "because",
+        "therefore",
+        "first",
+        "then",
+    ]
+)
 
 
 def make_tokenizer(words=None):
@@ -158,8 +200,13 @@ def _words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS[:200]) for _ in range(n))
 
 
-def synthetic_pairs(n: int, prompt_len: int | tuple[int, int], completion_len: int | tuple[int, int], seed: int = 0,
-                    conversational: bool = False):
+def synthetic_pairs(
+    n: int,
+    prompt_len: int | tuple[int, int],
+    completion_len: int | tuple[int, int],
+    seed: int = 0,
+    conversational: bool = False,
+):
     """`n` random preference examples with prompt/completion lengths (in words) drawn uniformly from the ranges."""
     from datasets import Dataset
 
@@ -170,15 +217,19 @@ def synthetic_pairs(n: int, prompt_len: int | tuple[int, int], completion_len: i
 
     rows = []
     for _ in range(n):
-        prompt, chosen, rejected = _words(rng, draw(prompt_len)), _words(rng, draw(completion_len)), _words(
-            rng, draw(completion_len)
+        prompt, chosen, rejected = (
+            _words(rng, draw(prompt_len)),
+            _words(rng, draw(completion_len)),
+            _words(rng, draw(completion_len)),
         )
         if conversational:
-            rows.append({
-                "prompt": [{"role": "user", "content": prompt}],
-                "chosen": [{"role": "assistant", "content": chosen}],
-                "rejected": [{"role": "assistant", "content": rejected}],
-            })
+            rows.append(
+                {
+                    "prompt": [{"role": "user", "content": prompt}],
+                    "chosen": [{"role": "assistant", "content": chosen}],
+                    "rejected": [{"role": "assistant", "content": rejected}],
+                }
+            )
         else:
             rows.append({"prompt": prompt, "chosen": " " + chosen, "rejected": " " + rejected})
     return Dataset.from_list(rows)
