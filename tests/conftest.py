@@ -21,3 +21,11 @@ def tokenizer():
     from trl_prefix_sharing.testing import make_tokenizer
 
     return make_tokenizer()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fresh_compilations():
+    """Every test file starts from nothing compiled: shapes one file's FlexAttention runs made dynamic would make the
+    next file's compile dynamic too, which hits a torch bug in the CPU FlexAttention kernel (a C++ compile error)."""
+    yield
+    torch._dynamo.reset()
