@@ -24,26 +24,20 @@ def _failure(proc) -> str:
     return "\n".join(lines[:20]) + "\n...\n" + proc.stderr[-2000:]
 
 
-def _launch(out, processes, *args):
-    script = Path(__file__).parent / "distributed_train.py"
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(processes),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
-        str(script),
-        "--out",
-        str(out),
-        *map(str, args),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+def _torchrun(script: str, processes: int, *args, timeout: int = 240) -> subprocess.CompletedProcess:
+    """Run `tests/<script>` on `processes` CPU processes (torch.distributed.run, gloo); fail with the children's
+    errors."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
+    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+    cmd += [str(Path(__file__).parent / script), *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, _failure(proc)
+    return proc
+
+
+def _launch(out, processes, *args):
+    out.mkdir(parents=True, exist_ok=True)
+    _torchrun("distributed_train.py", processes, "--out", out, *args)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(processes)]
 
 
@@ -92,25 +86,7 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path, se
 
 @pytest.mark.parametrize("kind,checkpointing", [("dpo", 1), ("reward", 0)])
 def test_fsdp2_sharded_forward_matches_unsharded_stock(kind, checkpointing):
-    script = Path(__file__).parent / "fsdp_check.py"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
-        str(script),
-        "--kind",
-        kind,
-        "--checkpointing",
-        str(checkpointing),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, _failure(proc)
+    proc = _torchrun("fsdp_check.py", 2, "--kind", kind, "--checkpointing", checkpointing)
     assert proc.stdout.count("gradients equal under FSDP2") == 2
 
 

@@ -2,36 +2,15 @@
 straddles the processes shares what each process holds, and every logged number and the final weights are stock's."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from group_equivalence import UNCOMPARED
-from test_distributed import _failure, _free_port
+from test_distributed import _torchrun
 
 
 def _launch(out, prefix_sharing):
-    script = Path(__file__).parent / "distributed_grpo.py"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
-        str(script),
-        "--out",
-        str(out),
-        "--prefix_sharing",
-        str(prefix_sharing),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, _failure(proc)
+    _torchrun("distributed_grpo.py", 2, "--out", out, "--prefix_sharing", prefix_sharing, timeout=300)
     return [json.loads((out / f"rank{r}-{prefix_sharing}.json").read_text()) for r in range(2)]
 
 
