@@ -8,18 +8,9 @@ import argparse
 import math
 import random
 
+from benchmark import PROFILES  # median prompt / completion tokens of the paper's datasets
+
 from trl_prefix_sharing import MultipackSampler
-
-
-# median prompt / completion tokens (the paper's table)
-PROFILES = {
-    "Capybara": (712, 448),
-    "HH-RLHF": (127, 59),
-    "MetaMath-DPO": (694, 178),
-    "TLDR": (382, 34),
-    "Tulu-Helpsteer": (669, 106),
-    "UltraFeedback": (121, 288),
-}
 
 
 def draw(rng, median, sigma=0.6):
