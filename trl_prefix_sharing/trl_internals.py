@@ -109,6 +109,12 @@ def _resolve(owner: str):
     return target
 
 
+@functools.cache
+def _class_source(owner: type) -> str:
+    """A class's source, read once (transformers' `Trainer` is thousands of lines, and several internals name it)."""
+    return inspect.getsource(owner)
+
+
 def _problem(internal: Internal) -> str | None:
     """What no longer matches for one internal (None: it matches)."""
     try:
@@ -116,7 +122,7 @@ def _problem(internal: Internal) -> str | None:
     except (ImportError, AttributeError) as error:
         return f"{internal.owner} cannot be imported ({error})"
     if internal.attribute:
-        source = inspect.getsource(owner) if inspect.isclass(owner) else ""
+        source = _class_source(owner) if inspect.isclass(owner) else ""
         if hasattr(owner, internal.name) or re.search(rf"self\.{internal.name}\s*(\[[^]]*\]\s*)?[+]?=", source):
             return None
         return f"{internal.owner} no longer sets `{internal.name}`"
