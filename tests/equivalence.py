@@ -318,17 +318,17 @@ def expected_shared_accuracy(stock, shared) -> float:
     return (wins & ~ties).float().mean().item()
 
 
-def leaky_dpo_mask(document_ids, branch_ids, position_ids=None, window=None, key_visible=None):
-    """A deliberately wrong `dpo_mask`: causal within the document, but forgets `prefix_or_same_branch`, so the
-    rejected completion sees the chosen one. Patched in to show the equivalence tests fail with a wrong mask."""
+def leaky_dpo_mask(subtree_end, position_ids=None, window=None, key_visible=None):
+    """A deliberately wrong `prefix_sharing_mask`: plain causal attention, forgetting `on_path`, so a completion sees
+    its siblings (the rejected one sees the chosen one). Patched in to show the equivalence tests fail with a wrong
+    mask."""
     from torch.nn.attention.flex_attention import and_masks
 
-    from trl_prefix_sharing.mask import causal, same_document, visible_key
+    from trl_prefix_sharing.mask import causal, visible_key
 
-    mods = [causal, same_document(document_ids)]
-    if key_visible is not None:  # only the branch rule is wrong
-        mods.append(visible_key(key_visible))
-    return and_masks(*mods)
+    if key_visible is None:
+        return causal
+    return and_masks(causal, visible_key(key_visible))  # only the path rule is wrong
 
 
 #: evaluation metrics that are not per-pair means: timings, and batch extremes averaged over batches (they depend on

@@ -103,7 +103,7 @@ def test_family_reward_step_matches_stock(tmp_path, tokenizer, family, variant):
 def test_family_wrong_mask_fails(tmp_path, tokenizer, monkeypatch, family, variant):
     """Eager attention (softcapping, sinks) with the additive float mask: a leaky mask breaks the comparison."""
     stock, shared = _dpo(tmp_path, tokenizer, family, variant)
-    monkeypatch.setattr(attention_module, "dpo_mask", leaky_dpo_mask)
+    monkeypatch.setattr(attention_module, "prefix_sharing_mask", leaky_dpo_mask)
     with pytest.raises(AssertionError):
         compare_step(stock, shared)
 

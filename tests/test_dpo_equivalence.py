@@ -46,7 +46,7 @@ def test_wrong_mask_fails(tmp_path, tokenizer, monkeypatch):
     stock, shared = make_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer)
     compare_step(stock, shared)  # the real mask passes
 
-    monkeypatch.setattr(attention_module, "dpo_mask", leaky_dpo_mask)
+    monkeypatch.setattr(attention_module, "prefix_sharing_mask", leaky_dpo_mask)
     with pytest.raises(AssertionError):
         compare_step(stock, shared)
 

@@ -14,7 +14,7 @@ from equivalence import make_trainers
 from test_compile import forward
 
 from trl_prefix_sharing import attention
-from trl_prefix_sharing.mask import dense_mask, dpo_mask
+from trl_prefix_sharing.mask import dense_mask, prefix_sharing_mask
 
 
 BLOCK = 128  # FlexAttention's block size (`create_block_mask`'s default, the trainer's row multiple)
@@ -38,10 +38,10 @@ def long_pairs():
 
 def block_counts(block_mask, layout):
     """Blocks the BlockMask computes and its full blocks; blocks the dense mask touches and fills; causal blocks."""
-    doc, branch = layout["document_ids"], layout["branch_ids"]
-    n, s = doc.shape
+    subtree_end = layout["subtree_end"]
+    n, s = subtree_end.shape
     k = s // BLOCK
-    dense = dense_mask(dpo_mask(doc, branch, layout["position_ids"], None, layout.get("key_visible")), n, s, s)
+    dense = dense_mask(prefix_sharing_mask(subtree_end, layout["position_ids"], None, layout.get("key_visible")), n, s, s)
     blocks = dense.view(n, k, BLOCK, k, BLOCK).transpose(2, 3).reshape(n, k, k, BLOCK * BLOCK)
     full_kv = block_mask.full_kv_num_blocks
     computed = int(block_mask.kv_num_blocks.sum()) + (int(full_kv.sum()) if full_kv is not None else 0)

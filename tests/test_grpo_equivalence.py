@@ -102,7 +102,7 @@ def test_wrong_mask_fails(tmp_path, tokenizer, model_dirs, monkeypatch):
         for ours in (False, True)
     )
     expected = logps_and_grads(stock, input_ids, attention_mask, keep)[0]
-    monkeypatch.setattr(attention_module, "dpo_mask", leaky_dpo_mask)
+    monkeypatch.setattr(attention_module, "prefix_sharing_mask", leaky_dpo_mask)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(logps_and_grads(shared, input_ids, attention_mask, keep)[0], expected)
 

@@ -111,7 +111,7 @@ def test_bf16_tolerance_catches_a_wrong_shared_forward(tmp_path, tokenizer, monk
     import trl_prefix_sharing.forward as forward_module
 
     if wrong == "leaky_mask":
-        monkeypatch.setattr(attention_module, "dpo_mask", leaky_dpo_mask)
+        monkeypatch.setattr(attention_module, "prefix_sharing_mask", leaky_dpo_mask)
     else:
         wrong_forward = _half_a_nat_on_one_token(forward_module._shared_forward)
         monkeypatch.setattr(forward_module, "_shared_forward", wrong_forward)

@@ -1,4 +1,5 @@
-"""`dpo_mask` is the one mask definition: its picture, a brute-force reference, and FlexAttention == dense SDPA."""
+"""`prefix_sharing_mask` is the one mask definition: its picture, a brute-force reference built from the rows' paths,
+and FlexAttention == dense SDPA."""
 
 import random
 
@@ -6,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trl_prefix_sharing.layout import build_shared_batch
-from trl_prefix_sharing.mask import dense_mask, dpo_mask
+from trl_prefix_sharing.layout import build_shared_batch, prompt_lengths_from_completion_mask
+from trl_prefix_sharing.mask import dense_mask, on_path, prefix_sharing_mask
 
 
 def _picture(mask):
@@ -15,10 +16,9 @@ def _picture(mask):
 
 
 def test_picture_of_one_pair():
-    # one document: prefix of 3 tokens, chosen branch of 2, rejected branch of 3 (as in the module docstring)
-    document_ids = torch.zeros(1, 8, dtype=torch.long)
-    branch_ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])
-    mask = dense_mask(dpo_mask(document_ids, branch_ids), 1, 8, 8)[0, 0]
+    # one pair: prompt of 3 tokens, chosen branch of 2, rejected branch of 3 (as in the module docstring)
+    subtree_end = torch.tensor([[8, 8, 8, 5, 5, 8, 8, 8]])
+    mask = dense_mask(on_path(subtree_end), 1, 8, 8)[0, 0]
     assert _picture(mask) == [
         "x.......",
         "xx......",
@@ -31,66 +31,56 @@ def test_picture_of_one_pair():
     ]
 
 
-def _brute_force(document_ids, branch_ids):
-    n, s = document_ids.shape
-    out = torch.zeros(n, 1, s, s, dtype=torch.bool)
-    for b in range(n):
-        for q in range(s):
-            for kv in range(q + 1):
-                same_doc = document_ids[b, q] == document_ids[b, kv]
-                visible = branch_ids[b, kv] == 0 or branch_ids[b, kv] == branch_ids[b, q]
-                out[b, 0, q, kv] = bool(same_doc and visible)
-    return out
-
-
 def _random_layout(rng, rows=3, docs=3):
-    ids, masks, groups = [], [], []
+    """Packed rows of documents; each document a prompt with 2-3 completions that may share their first tokens."""
+    ids, masks = [], []
     for _ in range(rows * docs):
-        prompt = [rng.randrange(5, 50) for _ in range(rng.randrange(0, 6))]
-        k = rng.choice([2, 2, 3])
-        group = []
-        for _ in range(k):
-            completion = [rng.randrange(5, 50) for _ in range(rng.randrange(0, 5))]
-            group.append(len(ids))
+        prompt = [rng.randrange(5, 50) for _ in range(rng.randrange(1, 6))]
+        for _ in range(rng.choice([2, 2, 3])):
+            completion = [rng.randrange(5, 8) for _ in range(rng.randrange(0, 5))]
             ids.append(prompt + completion)
             masks.append([0] * len(prompt) + [1] * len(completion))
-        groups.append(group)
-    width = max(1, max(len(r) for r in ids))
+    width = max(len(r) for r in ids)
     input_ids = torch.tensor([r + [0] * (width - len(r)) for r in ids])
     attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in ids])
     completion = torch.tensor([m + [0] * (width - len(m)) for m in masks])
-    packing = [list(range(i * docs, (i + 1) * docs)) for i in range(rows)]
-    return build_shared_batch(input_ids, attention, groups, completion_mask=completion, rows=packing)
+    prompts = prompt_lengths_from_completion_mask(attention, completion)
+
+    def packing(lengths):
+        per_row = -(-len(lengths) // rows)
+        return [list(range(i, min(i + per_row, len(lengths)))) for i in range(0, len(lengths), per_row)]
+
+    return build_shared_batch(input_ids, attention, prompt_lengths=prompts, rows=packing), attention
+
+
+def _brute_force(layout, attention):
+    """Query q sees key k when a stock row reads both and reads k at or before q (the row's own path)."""
+    n, s = layout["input_ids"].shape
+    out = torch.zeros(n * s, n * s, dtype=torch.bool)
+    index = layout["stock_index"]
+    for r in range(index.shape[0]):
+        path = index[r][attention[r].bool()].tolist()
+        for c, q in enumerate(path):
+            out[q, path[: c + 1]] = True
+    padding = (layout["document_ids"].view(-1) < 0).nonzero().flatten()
+    out[padding, padding] = True  # padding sees itself only
+    rows = [out[b * s : (b + 1) * s, b * s : (b + 1) * s] for b in range(n)]
+    return torch.stack(rows).unsqueeze(1)
 
 
 @pytest.mark.parametrize("seed", range(10))
 def test_dense_mask_equals_brute_force(seed):
-    layout = _random_layout(random.Random(seed))
-    mask = dense_mask(
-        dpo_mask(layout["document_ids"], layout["branch_ids"]),
-        *layout["document_ids"].shape,
-        layout["document_ids"].shape[1],
-    )
-    assert mask.numel() > 0
-    assert torch.equal(mask, _brute_force(layout["document_ids"], layout["branch_ids"]))
-
-
-def test_no_token_sees_another_completion_or_document():
-    layout = _random_layout(random.Random(123), rows=2, docs=4)
-    doc, branch = layout["document_ids"], layout["branch_ids"]
-    mask = dense_mask(dpo_mask(doc, branch), *doc.shape, doc.shape[1])[:, 0]
-    q_doc, kv_doc = doc[:, :, None], doc[:, None, :]
-    q_branch, kv_branch = branch[:, :, None], branch[:, None, :]
-    assert not (mask & (q_doc != kv_doc)).any()
-    assert not (mask & (kv_branch != 0) & (kv_branch != q_branch)).any()
-    assert mask.diagonal(dim1=1, dim2=2).all()  # every query (padding too) sees itself: no empty softmax row
+    layout, attention = _random_layout(random.Random(seed))
+    n, s = layout["input_ids"].shape
+    mask = dense_mask(prefix_sharing_mask(layout["subtree_end"]), n, s, s)
+    assert mask.numel() > 0 and n > 1
+    assert torch.equal(mask, _brute_force(layout, attention))
 
 
 def test_sliding_window_uses_original_positions():
-    document_ids = torch.zeros(1, 7, dtype=torch.long)
-    branch_ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2]])
+    subtree_end = torch.tensor([[7, 7, 7, 5, 5, 7, 7]])
     position_ids = torch.tensor([[0, 1, 2, 3, 4, 3, 4]])
-    mask = dense_mask(dpo_mask(document_ids, branch_ids, position_ids, window=2), 1, 7, 7)[0, 0]
+    mask = dense_mask(prefix_sharing_mask(subtree_end, position_ids, window=2), 1, 7, 7)[0, 0]
     assert _picture(mask) == [
         "x......",
         "xx.....",
@@ -106,10 +96,9 @@ def test_flex_attention_forward_equals_dense_sdpa():
     """The BlockMask and the dense mask come from the same mask_mod and give the same attention (CPU forward)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    layout = _random_layout(random.Random(5), rows=2, docs=3)
-    doc, branch = layout["document_ids"], layout["branch_ids"]
-    n, s = doc.shape
-    mask_mod = dpo_mask(doc, branch)
+    layout, _ = _random_layout(random.Random(5), rows=2, docs=3)
+    n, s = layout["input_ids"].shape
+    mask_mod = prefix_sharing_mask(layout["subtree_end"])
     torch.manual_seed(0)
     q, k, v = (torch.randn(n, 2, s, 8) for _ in range(3))
     block = create_block_mask(mask_mod, n, None, s, s, device="cpu", BLOCK_SIZE=16)

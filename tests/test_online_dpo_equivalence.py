@@ -86,7 +86,7 @@ def test_wrong_mask_fails(tmp_path, tokenizer, monkeypatch, wrong):
     stock, shared = make_trainers(tmp_path, "llama", tokenizer)
     expected = forward_and_grads(stock, input_ids, attention_mask, keep)[0]
     if wrong == "leaky_branches":
-        monkeypatch.setattr(attention_module, "dpo_mask", leaky_dpo_mask)
+        monkeypatch.setattr(attention_module, "prefix_sharing_mask", leaky_dpo_mask)
     else:  # padding keys visible: only the padding columns (objective/kl, objective/entropy) go wrong
         monkeypatch.setattr(mask_module, "visible_key", lambda key_visible: lambda b, h, q, kv: kv >= 0)
     got = forward_and_grads(shared, input_ids, attention_mask, keep)[0]

@@ -205,11 +205,9 @@ def test_batch_level_loss_types_with_packing_warn(tmp_path, tokenizer):
 
 
 def test_mask_that_forgets_documents_fails(tmp_path, tokenizer, monkeypatch):
-    """A packed row whose mask lets a token see another example (no `same_document`) must break the comparison."""
-    from torch.nn.attention.flex_attention import and_masks
-
+    """A packed row whose mask lets a token see another example must break the comparison."""
     import trl_prefix_sharing.attention as attention_module
-    from trl_prefix_sharing.mask import causal, prefix_or_same_branch
+    from trl_prefix_sharing.mask import on_path
 
     stock, packed = make_trainers(
         tmp_path,
@@ -222,12 +220,14 @@ def test_mask_that_forgets_documents_fails(tmp_path, tokenizer, monkeypatch):
     examples = list(stock.train_dataset)
     stock_result = step(stock, examples)
     assert_same_step(stock_result, step(packed, examples))  # the real mask passes
-    monkeypatch.setattr(
-        attention_module,
-        "dpo_mask",
-        lambda document_ids, branch_ids, position_ids=None, window=None, key_visible=None: and_masks(
-            causal, prefix_or_same_branch(branch_ids)
-        ),
-    )
+    def leaky(subtree_end, position_ids=None, window=None, key_visible=None):
+        """on_path, and every earlier key of another tree of the row (another example) as well"""
+        reach = subtree_end.cummax(dim=1).values
+        starts = torch.arange(1, subtree_end.shape[1], device=subtree_end.device) >= reach[:, :-1]
+        tree = torch.cat([torch.zeros_like(starts[:, :1]), starts], dim=1).long().cumsum(dim=1)
+        path = on_path(subtree_end)
+        return lambda b, h, q, kv: path(b, h, q, kv) | ((kv < q) & (tree[b, kv] < tree[b, q]))
+
+    monkeypatch.setattr(attention_module, "prefix_sharing_mask", leaky)
     with pytest.raises(AssertionError):
         assert_same_step(stock_result, step(packed, examples))

@@ -93,7 +93,7 @@ def test_reward_wrong_mask_fails(tmp_path, tokenizer, monkeypatch):
     stock, shared = make_reward_trainers(tmp_path, "qwen2", awkward_text_dataset(), tokenizer)
     _compare(stock, shared)
 
-    monkeypatch.setattr(attention_module, "dpo_mask", leaky_dpo_mask)
+    monkeypatch.setattr(attention_module, "prefix_sharing_mask", leaky_dpo_mask)
     with pytest.raises(AssertionError):
         _compare(stock, shared)
 

@@ -115,7 +115,7 @@ def test_wrong_mask_and_wrong_positions_fail(tmp_path, processors, monkeypatch):
     assert_same_step(stock_result, step(shared, rows(dataset)))  # the real layout passes
 
     with monkeypatch.context() as patch:
-        patch.setattr(attention_module, "dpo_mask", leaky_dpo_mask)
+        patch.setattr(attention_module, "prefix_sharing_mask", leaky_dpo_mask)
         with pytest.raises(AssertionError):
             assert_same_step(stock_result, step(shared, rows(dataset)))
 

@@ -28,7 +28,7 @@ _EXPORTS = {
     "SUPPORTED_MODEL_TYPES": ".attention",
     "build_shared_batch": ".layout",
     "dense_mask": ".mask",
-    "dpo_mask": ".mask",
+    "prefix_sharing_mask": ".mask",
 }
 
 __all__ = list(_EXPORTS)

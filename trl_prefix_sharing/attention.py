@@ -23,7 +23,7 @@ import torch
 from transformers.utils import logging
 
 from .architectures import supported_model_types, window_layout
-from .mask import block_mask, dense_mask, dpo_mask
+from .mask import block_mask, dense_mask, prefix_sharing_mask
 from .vision import VISION_MODEL_TYPES, is_vision_config
 
 
@@ -183,18 +183,18 @@ def build_attention_mask(layout: dict[str, torch.Tensor], attn_implementation: s
     Gemma 2/3, Cohere 2, GPT-OSS, ...). Built without autograd (a mask has no gradient), so the compiled
     `create_block_mask` sees one grad mode in training and evaluation steps alike (dynamo compiles a variant per grad
     mode)."""
-    document_ids, branch_ids = layout["document_ids"], layout["branch_ids"]
-    position_ids = layout["position_ids"]
-    n, s = document_ids.shape
+    subtree_end, position_ids = layout["subtree_end"], layout["position_ids"]
+    n, s = subtree_end.shape
+    device = subtree_end.device
 
     def make(window):
-        mask_mod = dpo_mask(document_ids, branch_ids, position_ids, window, layout.get("key_visible"))
+        mask_mod = prefix_sharing_mask(subtree_end, position_ids, window, layout.get("key_visible"))
         if attn_implementation == "flex_attention":
-            return block_mask(mask_mod, n, s, s, device=document_ids.device)
+            return block_mask(mask_mod, n, s, s, device=device)
         if attn_implementation == "sdpa":
-            return dense_mask(mask_mod, n, s, s, device=document_ids.device)
+            return dense_mask(mask_mod, n, s, s, device=device)
         if attn_implementation == "eager":  # eager attention adds the mask to the scores
-            allowed = dense_mask(mask_mod, n, s, s, device=document_ids.device)
+            allowed = dense_mask(mask_mod, n, s, s, device=device)
             return torch.zeros(allowed.shape, device=allowed.device).masked_fill(
                 ~allowed, torch.finfo(torch.float32).min
             )
@@ -205,15 +205,13 @@ def build_attention_mask(layout: dict[str, torch.Tensor], attn_implementation: s
         # One mask_mod structure for every batch and layer type, the window a tensor (full layers: one that never
         # bites): compiled code is specialised to a mask_mod's structure and Python numbers, not to tensor values, so
         # full and sliding layers, short and long batches share compiled variants (else each doubles them).
-        sliding = make(torch.tensor(window, device=document_ids.device))
+        sliding = make(torch.tensor(window, device=device))
         if not mixed:
             return sliding
         return {
-            "full_attention": make(torch.tensor(torch.iinfo(torch.long).max, device=document_ids.device)),
+            "full_attention": make(torch.tensor(torch.iinfo(torch.long).max, device=device)),
             "sliding_attention": sliding,
         }
-    if window is not None and int(position_ids.max()) < window:
-        window = None  # no query is `window` positions away from any key: the window changes nothing
     full = make(None) if window is None or mixed else None
     if window is None:
         return full

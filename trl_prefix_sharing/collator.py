@@ -5,7 +5,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from .layout import build_shared_batch
+import torch
+
+from .layout import LayoutPlan, build_shared_batch, plan_layout, prompt_lengths_from_completion_mask
+from .vision import has_vision_inputs
 
 
 __all__ = ["PrefixSharingCollator", "unit_lengths"]
@@ -15,16 +18,21 @@ class PrefixSharingCollator:
     """Wrap a stock preference collator (TRL's DPO or reward collator) and add ``batch["prefix_sharing"]``.
 
     The stock collator builds the batch exactly as TRL does (truncation included); the layout is derived from those
-    very tensors, so the same tokens are scored, and the stock tensors stay in the batch for TRL's loss code. Which
-    stock rows belong to one example: TRL's pairwise layout (``B`` chosen rows, then ``B`` rejected rows), or, when the
-    batch has ``group_sizes`` (ranked data, :mod:`trl_prefix_sharing.ranked`), consecutive rows of each example.
+    very tensors, so the same tokens are scored, and the stock tensors stay in the batch for TRL's loss code. Every
+    prefix the batch's rows share is computed once (the trie of :mod:`trl_prefix_sharing.layout`), whichever examples
+    they come from. Which stock rows belong to one example (for what counts as its prompt, and for packing's units):
+    TRL's pairwise layout (``B`` chosen rows, then ``B`` rejected rows), or, when the batch has ``group_sizes`` (ranked
+    data, :mod:`trl_prefix_sharing.ranked`), consecutive rows of each example.
 
     Args:
         base_collator: the stock collator (e.g. ``trl.trainer.dpo_trainer.DataCollatorForPreference``).
         pad_token_id: token used to pad the shared rows.
         pad_to_multiple_of: round the shared row length up to a multiple of this (fewer FlexAttention recompiles).
-        share_prefix: one document per example (prompt computed once). False: each stock row is its own document
-            (for packing without sharing, the paper's Algorithm 2).
+        share_prefix: compute shared prefixes once. False: each stock row is its own document (for packing without
+            sharing, the paper's Algorithm 2), except identical rows of an example.
+        across_examples: share between examples (a prompt's several pairs, later turns, duplicate prompts). False:
+            within each example only. A batch with images shares within examples only (the tokens of an image do not
+            tell which image it is).
         packing_length: pack the whole batch into one row of exactly this many tokens (the packing sampler guarantees
             the batch fits). None: one document per row.
         packing_row_length: with packing, split the batch into several rows of this many tokens each (documents placed
@@ -39,6 +47,7 @@ class PrefixSharingCollator:
         pad_token_id: int,
         pad_to_multiple_of: int | None = None,
         share_prefix: bool = True,
+        across_examples: bool = True,
         packing_length: int | None = None,
         packing_row_length: int | str | None = None,
     ):
@@ -46,6 +55,7 @@ class PrefixSharingCollator:
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
         self.share_prefix = share_prefix
+        self.across_examples = across_examples
         self.packing_length = packing_length
         self.packing_row_length = packing_row_length
 
@@ -66,58 +76,64 @@ class PrefixSharingCollator:
         half = num_rows // 2
         return [[i, half + i] for i in range(half)]
 
-    def documents(self, batch) -> list[list[int]]:
-        """Stock rows of each document: an example's rows (shared), or one row each (unshared, but identical rows of
-        an example stay one document so that they get bitwise identical results, as in the stock rows)."""
-        groups = self.example_groups(batch)
-        if self.share_prefix:
-            return groups
-        keys = [
-            (tuple(batch["input_ids"][r].tolist()), tuple(batch["attention_mask"][r].tolist()))
-            for r in range(batch["input_ids"].shape[0])
-        ]
-        documents = []
-        for group in groups:
-            classes: dict = {}
-            for row in group:
-                classes.setdefault(keys[row], []).append(row)
-            documents.extend(classes.values())
-        return documents
+    @classmethod
+    def example_ids(cls, batch) -> torch.Tensor:
+        """``[rows]``: the example of each stock row."""
+        ids = torch.empty(batch["input_ids"].shape[0], dtype=torch.long)
+        for example, rows in enumerate(cls.example_groups(batch)):
+            ids[rows] = example
+        return ids.to(batch["input_ids"].device)
+
+    def plan(self, batch) -> LayoutPlan:
+        """The trie of this batch's rows (see :func:`~trl_prefix_sharing.layout.plan_layout`)."""
+        completion_mask = batch.get("completion_mask")
+        return plan_layout(
+            batch["input_ids"],
+            batch["attention_mask"],
+            prompt_lengths=(
+                None
+                if completion_mask is None
+                else prompt_lengths_from_completion_mask(batch["attention_mask"], completion_mask)
+            ),
+            examples=self.example_ids(batch),
+            across_examples=self.across_examples and not has_vision_inputs(batch),
+            share=self.share_prefix,
+        )
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.base_collator(examples)
-        documents = self.documents(batch)
         rows, row_length = None, None
         if self.packing_length is not None:
-            rows, row_length = [list(range(len(documents)))], self.packing_length
+            rows, row_length = (lambda lengths: [list(range(len(lengths)))]), self.packing_length
             if self.packing_row_length is not None:
-                rows, row_length = self._rows(batch, documents)
+                rows, row_length = self._rows, self.packing_row_length
+        if row_length == "batch":
+            row_length = None  # rows as long as the longest document
         batch["prefix_sharing"] = build_shared_batch(
             batch["input_ids"],
             batch["attention_mask"],
-            groups=documents,
-            completion_mask=batch.get("completion_mask"),
             rows=rows,
             pad_token_id=self.pad_token_id,
             pad_to_multiple_of=None if rows is not None else self.pad_to_multiple_of,
             row_length=row_length,
+            plan=self.plan(batch),
         )
         return batch
 
-    def _rows(self, batch, documents) -> tuple[list[list[int]], int]:
-        """Documents into rows of `packing_row_length` by first-fit decreasing (their lengths from a dry layout)."""
+    def _rows(self, lengths: list[int]) -> list[list[int]]:
+        """Documents into rows of `packing_row_length` (or the longest document) by first-fit decreasing."""
         from .sampler import first_fit_decreasing
 
-        lengths = self.unpacked().document_lengths(batch, documents)
         row_length = max(lengths) if self.packing_row_length == "batch" else self.packing_row_length
-        order = sorted(range(len(documents)), key=lambda d: -lengths[d])
-        return first_fit_decreasing(order, lengths, row_length), row_length
+        order = sorted(range(len(lengths)), key=lambda d: -lengths[d])
+        return first_fit_decreasing(order, lengths, row_length)
 
-    def document_lengths(self, batch, documents) -> list[int]:
-        layout = build_shared_batch(
-            batch["input_ids"], batch["attention_mask"], groups=documents, completion_mask=batch.get("completion_mask")
-        )
-        return (layout["document_ids"] >= 0).sum(dim=1).tolist()
+    def unit_lengths(self, batch) -> list[int]:
+        """Tokens each example of ``batch`` occupies in a packed row (its trie alone, or its unshared rows)."""
+        plan = copy.copy(self)
+        plan.across_examples = False
+        example_ids = self.example_ids(batch)
+        return plan.plan(batch).tokens_per(example_ids, len(self.example_groups(batch))).tolist()
 
     def unpacked(self) -> PrefixSharingCollator:
         """This collator with one document per row (used to measure each example's packing unit)."""
@@ -129,16 +145,11 @@ class PrefixSharingCollator:
 
 
 def unit_lengths(dataset, collator: PrefixSharingCollator, chunk_size: int = 256) -> list[int]:
-    """Tokens each example occupies in a packed row (its document, or its rows' documents when not shared),
-    measured by running ``collator`` itself, so truncation and sharing are exactly what training will see."""
-    unpacked = collator.unpacked()
+    """Tokens each example occupies in a packed row (its trie, or its rows' documents when not shared), measured by
+    running ``collator``'s own base collator and layout, so truncation and sharing are exactly what training will see.
+    A packed batch that holds several examples of one prompt shares between them, so it only gets shorter."""
     lengths: list[int] = []
     for start in range(0, len(dataset), chunk_size):
-        batch = unpacked([dataset[i] for i in range(start, min(start + chunk_size, len(dataset)))])
-        per_document = (batch["prefix_sharing"]["document_ids"] >= 0).sum(dim=1).tolist()
-        if unpacked.share_prefix:
-            lengths.extend(per_document)
-        else:
-            first_row = {doc[0]: n for doc, n in zip(unpacked.documents(batch), per_document, strict=True)}
-            lengths.extend(sum(first_row.get(r, 0) for r in group) for group in unpacked.example_groups(batch))
+        batch = collator.base_collator([dataset[i] for i in range(start, min(start + chunk_size, len(dataset)))])
+        lengths.extend(collator.unit_lengths(batch))
     return lengths

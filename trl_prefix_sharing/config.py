@@ -16,8 +16,14 @@ _SHARING_DOC = """
     prefix_sharing (`bool`, *optional*, defaults to `False`):
         Put the completions of each prompt after one copy of it (`[prompt | chosen | rejected]`, or a group's
         generations `[prompt | completion 1 | ... | completion G]`), so the prompt is computed once; a mask keeps the
-        completions from seeing each other and position ids make every number the one stock TRL computes. Text and
+        completions from seeing each other and position ids make every number the one stock TRL computes. More
+        generally, every prefix that rows of a micro-batch share is computed once (a prefix trie): a prompt's several
+        pairs, its later turns and duplicate prompts, when the sampler puts them in one micro-batch. Text and
         conversational datasets; see the README for the supported model families.
+    prefix_sharing_checks (`bool` or `None`, *optional*, defaults to `None`):
+        Verify each shared batch against the stock rows in the forward (its tokens, padding and labels). Each check
+        reads a comparison back from the device, so on an accelerator it waits for the device (a host sync per
+        forward). `None`: on where the batch is on the CPU (no cost there), off elsewhere.
     prefix_sharing_attn_implementation (`str`, *optional*, defaults to `"auto"`):
         Attention that applies the prefix-sharing mask: `"flex_attention"` (block-sparse FlexAttention, CUDA),
         `"sdpa"` (the same mask, dense, through `scaled_dot_product_attention`; any device), or `"auto"`
@@ -61,6 +67,14 @@ class PrefixSharingArguments:
             "help": "Attention for the prefix-sharing mask: 'flex_attention' (CUDA), 'sdpa' (dense mask, any device) "
             "or 'auto' (FlexAttention on CUDA, SDPA elsewhere).",
             "choices": list(ATTN_IMPLEMENTATIONS),
+        },
+    )
+
+    prefix_sharing_checks: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Verify each shared batch against the stock rows in the forward (a host sync per forward on an "
+            "accelerator). None: on where the batch is on the CPU, off elsewhere."
         },
     )
 

@@ -39,12 +39,22 @@ def unwrap_model(model):
 
 
 def check_layout_matches(layout: dict, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-    """Refuse a layout that does not hold exactly the stock batch's tokens (e.g. a collator that changed the batch)."""
+    """Refuse a layout that does not hold exactly the stock batch's tokens (e.g. a collator that changed the batch).
+    The shapes always; the tokens and the padding when the layout asks for checks (``layout["check"]``, see
+    `prefix_sharing_checks`: comparing them reads back from the device)."""
     index = layout["stock_index"]
+    if index.shape != input_ids.shape:
+        raise RuntimeError(
+            "Prefix-sharing layout does not match the stock batch (its shape differs). The layout must be built "
+            "by PrefixSharingCollator from the same batch; a custom data collator has to emit right-padded "
+            "`input_ids`/`attention_mask` and let PrefixSharingCollator wrap it."
+        )
+    if not layout.get("check", True):
+        return
     real = index >= 0
     if attention_mask is not None:  # the stock tokens, and the padding after them where the layout scores it
         attention_mask = attention_mask.cumsum(dim=1) > 0 if "key_visible" in layout else attention_mask.bool()
-    if index.shape != input_ids.shape or (attention_mask is not None and not torch.equal(real, attention_mask)):
+    if attention_mask is not None and not torch.equal(real, attention_mask):
         raise RuntimeError(
             "Prefix-sharing layout does not match the stock batch (shape or padding differ). The layout must be built "
             "by PrefixSharingCollator from the same batch; a custom data collator has to emit right-padded "
@@ -88,7 +98,7 @@ def _shared_forward(original_forward, kwargs: dict, layout: dict):
             input_ids=layout["input_ids"],
             attention_mask=mask,
             position_ids=position_ids,
-            shift_labels=shared_labels(layout, labels),
+            shift_labels=shared_labels(layout, labels, check=layout.get("check", True)),
             **({"output_router_logits": False} if moe else {}),
             **kwargs,
         )

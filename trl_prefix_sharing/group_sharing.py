@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from transformers.utils import logging
 
-from .layout import groups_by_prefix
+from .layout import pairwise_common_prefix
 from .sharing import PrefixSharingMixin
 from .trl_internals import replaced_function
 from .vision import vision_inputs_in
@@ -38,22 +38,29 @@ def shuffle_keeping_groups(batch: dict, group_key: str = "prompt_ids", mask_key:
     """TRL's `shuffle_sequence_dict` with the rows of each group (equal `group_key`/`mask_key` rows) kept together.
 
     Draws the same `torch.randperm` as TRL, so the random stream is unchanged, then orders whole groups by where that
-    permutation puts their first member (members in the order it gives them)."""
-    size = len(batch[group_key])
+    permutation puts their first member (members in the order it gives them). Tensor ops on the batch's device; list
+    values (if any) read the permutation back once."""
+    ids, mask = batch[group_key], batch[mask_key]
+    size = len(ids)
     stock = torch.randperm(size)
     rank = torch.empty(size, dtype=torch.long)
     rank[stock] = torch.arange(size)  # rank[i]: where TRL's permutation puts row i
-    rank = rank.tolist()
-    groups = groups_by_prefix(batch[group_key], batch[mask_key], batch[group_key].shape[1])
-    groups = sorted((sorted(g, key=rank.__getitem__) for g in groups), key=lambda g: rank[g[0]])
-    permutation = [row for group in groups for row in group]
+    rank = rank.to(ids.device)
+    keys = torch.where(mask.bool(), ids, -1)
+    same = pairwise_common_prefix(keys) == keys.shape[1]  # rows of one group
+    group_rank = torch.where(same, rank[None, :], size).amin(dim=1)  # where the group's first member goes
+    permutation = torch.argsort(group_rank * size + rank)
+    host_permutation = None
 
     def permute(value):
+        nonlocal host_permutation
         if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0):
             return value
         if isinstance(value, torch.Tensor):
-            return value[torch.tensor(permutation, device=value.device)]
-        return [value[i] for i in permutation]
+            return value[permutation.to(value.device)]
+        if host_permutation is None:
+            host_permutation = permutation.tolist()
+        return [value[i] for i in host_permutation]
 
     return {key: permute(value) for key, value in batch.items()}
 
@@ -62,13 +69,17 @@ class _SharedRowsModel:
     """What TRL's chunk loop calls as `model(**inputs, labels=..., fused_lm_head=True)`: the model, on the
     prefix-shared layout of the chunk's rows (laid out here, with its mask, once per chunk)."""
 
-    def __init__(self, trainer, model, logits_to_keep: int):
-        self.trainer, self.model, self.logits_to_keep = trainer, model, logits_to_keep
+    def __init__(self, trainer, model, logits_to_keep: int, source=None):
+        self.trainer, self.model, self.logits_to_keep, self.source = trainer, model, logits_to_keep, source
 
     def __call__(self, **kwargs):
         input_ids, attention_mask = kwargs["input_ids"], kwargs["attention_mask"]
+        whole = self.source is not None and input_ids.shape[0] == self.source[0].shape[0]
         layout = self.trainer.sharing.generated_layout(
-            input_ids, attention_mask, input_ids.shape[1] - self.logits_to_keep
+            input_ids,
+            attention_mask,
+            input_ids.shape[1] - self.logits_to_keep,
+            source=self.source if whole else None,
         )
         if torch.is_grad_enabled():
             self.trainer._count_positions(attention_mask, layout)
@@ -91,8 +102,9 @@ class GroupSharingTrainerMixin(PrefixSharingMixin):
     ):
         """Exactly the arguments of TRL's trainer."""
         self._init_prefix_sharing(model, args, processing_class, kwargs.get("peft_config"))
-        self._shared_positions = 0
+        self._shared_positions = None  # running total on the device, read when logging
         self._sharing_logged = False
+        self._loss_inputs = None
         super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class, *more, **kwargs)
         self._setup_prefix_sharing()
 
@@ -110,10 +122,21 @@ class GroupSharingTrainerMixin(PrefixSharingMixin):
                     f"Prefix sharing for {type(self).__name__} is text-only; this batch has {images}. "
                     "Train vision prompts with `prefix_sharing=False`."
                 )
-            model = _SharedRowsModel(self, model, logits_to_keep)
+            inputs = self._loss_inputs
+            source = None
+            if inputs is not None:  # the training pass over a micro-batch: its layout is kept with its rows
+                source = tuple(inputs[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask"))
+            model = _SharedRowsModel(self, model, logits_to_keep, source)
         return super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        self._loss_inputs = inputs if self.prefix_sharing else None
+        try:
+            return super().compute_loss(model, inputs, *args, **kwargs)
+        finally:
+            self._loss_inputs = None
 
     def _prepare_inputs(self, generation_batch):
         if not (self.prefix_sharing and self.model.training):
@@ -123,16 +146,21 @@ class GroupSharingTrainerMixin(PrefixSharingMixin):
 
     # ----------------------------------------------------------------------------------------------- metrics
     def _count_positions(self, attention_mask, layout) -> None:
-        """Token positions the training forward computes (all ranks): `num_shared_tokens`, and a log line comparing
-        them with stock's after the first step."""
+        """Token positions the training forward computes (all ranks), kept on the device: `num_shared_tokens` when
+        logging, and a log line comparing them with stock's after the first step."""
         counts = torch.stack([attention_mask.sum(), (layout["document_ids"] >= 0).sum()]).to(attention_mask.device)
-        stock, shared = self.accelerator.gather_for_metrics(counts.unsqueeze(0)).sum(0).tolist()
-        self._shared_positions += shared
-        self._metrics["train"]["num_shared_tokens"] = [self._shared_positions]
+        counts = self.accelerator.gather_for_metrics(counts.unsqueeze(0)).sum(0)
+        self._shared_positions = counts[1] if self._shared_positions is None else self._shared_positions + counts[1]
         if not self._sharing_logged and self.args.should_log:
+            stock, shared = counts.tolist()  # once
             logger.warning(
                 f"Prefix sharing: the first training batch computes {shared} token positions where stock TRL computes "
                 f"{stock} ({stock / max(shared, 1):.2f}x fewer; groups of {self.num_generations} generations, "
                 f"{self.args.per_device_train_batch_size} rows per micro-batch)."
             )
             self._sharing_logged = True
+
+    def log(self, logs, start_time=None):
+        if self._shared_positions is not None and self.model.training:
+            self._metrics["train"]["num_shared_tokens"] = [int(self._shared_positions)]
+        return super().log(logs, start_time)

@@ -1,212 +1,382 @@
-"""The layout of a shared row: how stock rows that start alike become one sequence, and how to map back.
+"""The layout of shared rows: the stock rows of a micro-batch as a prefix trie, and how to map back.
 
-Stock TRL scores each completion in its own padded row, ``[prompt | chosen]`` and ``[prompt | rejected]``. Here the
-rows of one example (two for DPO and pairwise reward models, K for ranked data) become one *document*::
+Stock TRL scores each completion in its own padded row. Here every token prefix that several rows of the micro-batch
+share (the same tokens at the same positions, whichever pairs, groups, turns or duplicate prompts the rows come from)
+is computed once. The rows become a trie, laid out depth-first::
 
     stock    [p0 p1 p2 p3 c0 c1]          shared   [p0 p1 p2 | p3 c0 c1 | p3 r0 r1 r2]
              [p0 p1 p2 p3 r0 r1 r2]       position   0  1  2 |  3  4  5 |  3  4  5  6
-                                          branch     0  0  0 |  1  1  1 |  2  2  2  2
+                                          subtree    10 10 10|  6  6  6 | 10 10 10 10   (end of each key's subtree)
 
-The shared prefix is the longest common prefix of the rows, compared on (token, completion-mask) pairs, so it is
-exact whatever the truncation did. A row identical to an earlier row of its group is not repeated: it reads the same
-positions, so identical completions get bitwise identical results, as in the stock rows. Its last token starts every
-branch (same token, same position, same visible keys, so the same hidden state): that copy scores the first token of
-each completion, as the last prompt token does in the stock rows. Rows with nothing in common still work (an empty
-prefix: K separate sequences in one document).
+Equal paths mean equal hidden states, so a row reads its tokens from the path of the trie that spells it, whether or
+not it scores them: in a multi-turn conversation, turn t's chosen answer is a completion in one row and part of the
+next turn's prompt in another, and both read the same positions. Where rows part, the last common token starts every
+branch again (same token, same position, same visible keys, so the same hidden state): each copy scores the first
+token of its own branch, as the last common token does in each stock row. A row that ends where another goes on reads
+that row's path (its last token scores nothing). Identical rows read the same positions, so they get bitwise identical
+results, as in stock.
 
-The layout is built from the *stock collator's own tensors*, so the tokens scored are exactly the ones stock TRL
-scores. ``stock_index`` maps every stock position to its place in the shared rows; everything computed on the shared
-rows (log-probs, rewards) is gathered back through it.
-
+In depth-first order the tokens under a key form one span, ``[k, subtree_end[k])``, so the whole mask is one rule: a
+query sees a key when the key is on its path, ``k <= q < subtree_end[k]`` (:func:`~trl_prefix_sharing.mask.on_path`).
 A token's position id is its column in the stock row, which is what the model gives it when no position ids are
-passed. Right-padded rows (TRL's DPO and reward collators) start at column 0; left-padded prompts (GRPO, RLOO, online
+passed: right-padded rows (TRL's DPO and reward collators) start at column 0; left-padded prompts (GRPO, RLOO, online
 DPO: ``[pad pad p0 p1 | c0 c1 pad]``) keep the positions of their pads, exactly as stock computes them.
+
+**Documents.** A trie that is laid out as one piece is a *document*; unpacked, each document is one shared row, and
+packing puts several in a row. Sorted rows that share a prefix join one document when the prefix holds at least the
+prompt of one of them (the trainer says what a row's prompt is: its completion mask, its prompt columns, or what the
+rows of one example have in common): a prompt's pairs, its group, its later turns and its duplicates. A shorter common
+start (a chat template's header, a short system prompt) does not join documents, since a longer row costs more
+attention than the few positions it saves.
+
+**Built with tensor ops where the batch lives**: a sort of the rows (longest common prefixes of all row pairs, chunked),
+cumulative sums and scatters; no per-token Python. One device-to-host read per build gives the shared rows' shape.
+
+``stock_index`` maps every stock position to its place in the shared rows; everything computed on the shared rows
+(log-probs, rewards) is gathered back through it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 
 __all__ = [
+    "LayoutPlan",
+    "plan_layout",
+    "assemble_layout",
     "build_shared_batch",
-    "common_prefix_length",
+    "shared_group_layout",
     "shared_labels",
     "gather_to_stock",
-    "groups_by_prefix",
-    "shared_group_layout",
+    "prompt_lengths_from_completion_mask",
+    "shared_positions",
+    "pairwise_common_prefix",
 ]
 
+#: key of a stock column that holds no token (before or after the row's tokens); below every token id, so a row that
+#: is a prefix of another sorts first
+_NO_TOKEN = -1
+#: key of a scored padding column (``score_padding``): never equal to a token
+_SCORED_PAD = -2
+#: elements of the pairwise comparison done at once (rows x rows x columns), bounding its memory
+_COMPARE_CHUNK = 1 << 24
 
-def common_prefix_length(rows: Sequence[Sequence]) -> int:
-    """Length of the longest common prefix of several sequences."""
-    if not rows:
-        return 0
-    n = min(len(r) for r in rows)
-    first = rows[0]
-    for i in range(n):
-        item = first[i]
-        if any(r[i] != item for r in rows[1:]):
-            return i
-    return n
+
+@dataclass
+class LayoutPlan:
+    """Where every stock row's tokens go, before the shared rows are allocated (all tensors on the batch's device).
+
+    Rows are indexed in *sorted* (depth-first) order: ``order[i]`` is the stock row at sorted place ``i``.
+    """
+
+    order: torch.Tensor  # [R] stock row of each sorted place
+    starts: torch.Tensor  # [R] first column of each sorted row's tokens
+    lengths: torch.Tensor  # [R] tokens laid out for each sorted row (with its scored padding)
+    real_lengths: torch.Tensor  # [R] real tokens of each sorted row
+    first_new: torch.Tensor  # [R] depth of the first token the sorted row adds (the ones before are on earlier paths)
+    document: torch.Tensor  # [R] document of each sorted row (0, 1, ... in sorted order)
+    offset: torch.Tensor  # [R] where the sorted row's new tokens start in its document
+    document_lengths: torch.Tensor  # [R] tokens of each document (zero past the last document)
+    num_documents: torch.Tensor  # 0-d
+    input_ids: torch.Tensor  # [R, L] stock ids, sorted rows
+    score_padding: bool
+
+    def tokens_per(self, groups: torch.Tensor, size: int) -> torch.Tensor:
+        """``[size]``: tokens the layout adds for each group of stock rows (``groups[r]``, the group of stock row
+        r): an example's packing unit when examples do not share with each other."""
+        added = self.lengths - self.first_new
+        return torch.zeros(size, dtype=torch.long, device=added.device).scatter_add_(0, groups[self.order], added)
+
+
+def _token_runs(attention_mask: torch.Tensor, check: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(length, first column) of each row's tokens, which must be one run: right padding, left padding, or both."""
+    lengths = attention_mask.sum(dim=1)
+    starts = torch.where(lengths > 0, attention_mask.int().argmax(dim=1), torch.zeros_like(lengths))
+    if check:
+        columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+        one_run = (columns >= starts[:, None]) & (columns < (starts + lengths)[:, None])
+        if not torch.equal(attention_mask.bool(), one_run):
+            raise ValueError(
+                "Prefix sharing needs each stock row's tokens in one run (padding only before or after them), "
+                "as TRL's collators and generation build them; this attention_mask has holes."
+            )
+    return lengths, starts
+
+
+def pairwise_common_prefix(keys: torch.Tensor) -> torch.Tensor:
+    """``[R, R]``: for every pair of rows, how many leading columns of ``keys`` ``[R, C]`` are equal."""
+    rows, columns = keys.shape
+    out = torch.empty(rows, rows, dtype=torch.long, device=keys.device)
+    step = max(1, _COMPARE_CHUNK // max(rows * columns, 1))
+    for first in range(0, rows, step):  # chunks of rows, never tokens
+        differ = keys[first : first + step, None, :] != keys[None, :, :]
+        out[first : first + step] = torch.where(differ.any(-1), differ.to(torch.uint8).argmax(-1), columns)
+    return out
+
+
+def _sort_rows(keys: torch.Tensor, common: torch.Tensor) -> torch.Tensor:
+    """The lexicographic order of the rows of ``keys`` (ties by row index), from their pairwise common prefixes."""
+    rows, columns = keys.shape
+    at = common.clamp(max=max(columns - 1, 0))
+    mine = keys.gather(1, at)  # [i, j]: row i's key where rows i and j first differ
+    theirs = mine.T  # [i, j]: row j's key there (the common prefix is symmetric)
+    index = torch.arange(rows, device=keys.device)
+    less = torch.where(common < columns, mine < theirs, index[:, None] < index[None, :])  # row i before row j
+    rank = less.sum(dim=0)  # rows before each row
+    order = torch.empty_like(rank)
+    order[rank] = index
+    return order
+
+
+def prompt_lengths_from_completion_mask(attention_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """The prompt of each row: its tokens before its first completion token."""
+    before = completion_mask.cumsum(dim=1) == 0
+    return (before & attention_mask.bool()).sum(dim=1)
+
+
+def plan_layout(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_lengths: torch.Tensor | None = None,
+    examples: torch.Tensor | None = None,
+    across_examples: bool = True,
+    share: bool = True,
+    score_padding: bool = False,
+    check: bool = True,
+) -> LayoutPlan:
+    """Sort the stock rows into a trie and find what each row adds (tensor ops on the rows' device).
+
+    Args:
+        input_ids, attention_mask: stock ``[R, L]`` padded tensors (right padding, left padding, or both).
+        prompt_lengths: ``[R]`` prompt tokens of each row: rows join one document when they share at least the prompt
+            of one of them (and at least one token). None: the common prefix of the rows of the row's example (with
+            ``examples``), else any shared token joins.
+        examples: ``[R]`` the example (pair, ranked group) of each stock row.
+        across_examples: share between the rows of different examples (the trie); False: within an example only, and
+            each example is one document.
+        share: False: no sharing, each row its own document, except identical rows of one example (which stay one
+            document so that they get bitwise identical results, as in stock).
+        score_padding: also lay out the padding after each row's tokens, as stock computes it when a trainer scores
+            it (online DPO's statistics do); see :func:`assemble_layout`.
+        check: verify that each row's tokens are one run (a comparison on the rows' device, so a host sync there).
+    """
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError("`input_ids` and `attention_mask` must be [rows, length] tensors of the same shape.")
+    device = input_ids.device
+    num_rows, width = input_ids.shape
+    real, starts = _token_runs(attention_mask, check)
+    columns = torch.arange(width, device=device)
+    in_row = (columns >= starts[:, None]) & (columns < (starts + real)[:, None])
+    keys = torch.where(in_row, input_ids, _NO_TOKEN)
+    if score_padding:  # the padding after a row's tokens is laid out (and scored) with the row
+        keys = torch.where(columns >= (starts + real)[:, None], _SCORED_PAD, keys)
+        lengths = torch.where(real > 0, width - starts, 0)
+    else:
+        lengths = real
+    lead = 0
+    examples = examples.to(device) if examples is not None else None
+    if examples is not None and (not across_examples or not share):
+        keys = torch.cat([examples.to(device).view(-1, 1), keys], dim=1)  # rows of different examples never meet
+        lead = 1
+    common = pairwise_common_prefix(keys)
+    order = _sort_rows(keys, common) if num_rows else torch.zeros(0, dtype=torch.long, device=device)
+    index = torch.arange(num_rows, device=device)
+
+    if prompt_lengths is None and examples is not None:  # what the rows of each example have in common
+        same = examples[:, None] == examples[None, :]
+        tokens_common = (common - lead - starts[:, None]).clamp(min=0)
+        tokens_common = torch.minimum(tokens_common, torch.minimum(lengths[:, None], lengths[None, :]))
+        sibling = same & (index[:, None] != index[None, :])
+        big = torch.iinfo(torch.long).max
+        prompt_lengths = torch.where(sibling, tokens_common, big).amin(dim=1)
+        prompt_lengths = torch.where(prompt_lengths == big, lengths, prompt_lengths)  # an example of one row
+    if prompt_lengths is None:
+        prompt_lengths = torch.ones(num_rows, dtype=torch.long, device=device)
+
+    s_starts, s_lengths, s_real = starts[order], lengths[order], real[order]
+    previous = torch.cat([order[:1], order[:-1]])
+    # tokens each sorted row shares with the one before it (the most any earlier row shares with it)
+    prev_lengths = torch.cat([s_lengths[:1], s_lengths[:-1]])
+    shared = (common[order, previous] - lead - s_starts).clamp(min=0)
+    shared = torch.minimum(shared, torch.minimum(s_lengths, prev_lengths))
+    s_prompts = prompt_lengths.to(device)[order]
+    prev_prompts = torch.cat([s_prompts[:1], s_prompts[:-1]])
+    if share:
+        joins = shared >= torch.minimum(s_prompts, prev_prompts).clamp(min=1)
+        if lead:  # within examples only (sorted by example first): an example's rows are one document, as in stock's
+            s_examples = examples[order]  # pairing, even when they share nothing
+            joins |= s_examples == torch.cat([s_examples[:1], s_examples[:-1]])
+    else:
+        joins = (shared == s_lengths) & (s_lengths == prev_lengths)  # identical rows (of one example)
+    joins &= index > 0
+    shared = torch.where(joins, shared, 0)
+    # the last common token starts this row's branch again when the path it leaves goes on with another token
+    copy = (shared > 0) & (prev_lengths > shared)
+    first_new = shared - copy.long()
+    added = s_lengths - first_new
+    document = (~joins).long().cumsum(0) - 1
+    ends = added.cumsum(0)
+    document_start = torch.where(joins, 0, ends - added).cummax(0).values  # where each row's document starts
+    offset = ends - added - document_start
+    document_lengths = torch.zeros(num_rows, dtype=torch.long, device=device).scatter_add_(0, document, added)
+    return LayoutPlan(
+        order=order,
+        starts=s_starts,
+        lengths=s_lengths,
+        real_lengths=s_real,
+        first_new=first_new,
+        document=document,
+        offset=offset,
+        document_lengths=document_lengths,
+        num_documents=(~joins).sum(),
+        input_ids=input_ids[order],
+        score_padding=score_padding,
+    )
+
+
+def assemble_layout(
+    plan: LayoutPlan,
+    num_rows: int,
+    width: int,
+    document_row: torch.Tensor | None = None,
+    document_base: torch.Tensor | None = None,
+    document_slot: torch.Tensor | None = None,
+    pad_token_id: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Allocate the shared rows ``[num_rows, width]`` and place the plan's documents in them.
+
+    Args:
+        document_row, document_base, document_slot: per document, its shared row, its first column there, and its
+            number within the row (``document_ids``); default one document per row.
+
+    Returns:
+        ``input_ids``, ``position_ids``, ``document_ids`` (-1 = padding), ``subtree_end`` (a key's subtree is
+        ``[k, subtree_end[k])``; padding: itself only) of shape ``[N, S]`` (and ``key_visible`` with
+        ``score_padding``: False for stock's padding, a query that is never a key), and ``stock_index`` ``[R, L]``:
+        the flat index (into ``N * S``) of every stock token, -1 for padding.
+    """
+    device = plan.order.device
+    num_stock, stock_width = plan.input_ids.shape
+    if document_row is None:
+        document_row = torch.arange(num_stock, device=device)
+        document_base = torch.zeros(num_stock, dtype=torch.long, device=device)
+        document_slot = document_base
+    in_row_start = document_base[plan.document] + plan.offset
+    row_start = document_row[plan.document] * width + in_row_start  # flat
+    columns = torch.arange(stock_width, device=device)
+    depth = columns[None, :] - plan.starts[:, None]  # [R, L] depth of each stock column in its sorted row
+    laid = (depth >= 0) & (depth < plan.lengths[:, None])
+    new = laid & (depth >= plan.first_new[:, None])
+    sorted_index = torch.arange(num_stock, device=device)
+    # the sorted row whose new tokens hold (row, depth): the last row so far that adds that depth
+    owner = torch.where(depth >= plan.first_new[:, None], sorted_index[:, None], -1).cummax(dim=0).values
+    owner = owner.clamp(min=0)
+    flat = row_start[owner] + depth - plan.first_new[owner]  # [R, L] flat place of every laid column
+    flat = torch.where(laid, flat, -1)
+
+    size = num_rows * width
+    targets = flat[new]
+    out_ids = torch.full((size,), pad_token_id, dtype=torch.long, device=device)
+    out_ids[targets] = plan.input_ids[new]
+    out_pos = torch.zeros(size, dtype=torch.long, device=device)
+    out_pos[targets] = columns.expand_as(new)[new]
+    out_doc = torch.full((size,), -1, dtype=torch.long, device=device)
+    out_doc[targets] = document_slot[plan.document].unsqueeze(1).expand_as(new)[new]
+    in_row = torch.arange(size, device=device) % width
+    subtree_end = in_row + 1  # padding sees itself only
+    row_end = (in_row_start + plan.lengths - plan.first_new).unsqueeze(1).expand_as(laid)
+    subtree_end.scatter_reduce_(0, flat[laid], row_end[laid], reduce="amax")
+    stock_index = torch.full((num_stock, stock_width), -1, dtype=torch.long, device=device)
+    stock_index[plan.order] = flat
+    layout = {
+        "input_ids": out_ids.view(num_rows, width),
+        "position_ids": out_pos.view(num_rows, width),
+        "document_ids": out_doc.view(num_rows, width),
+        "subtree_end": subtree_end.view(num_rows, width),
+        "stock_index": stock_index,
+    }
+    if plan.score_padding:
+        visible = torch.ones(size, dtype=torch.bool, device=device)
+        visible[targets] = (depth < plan.real_lengths[:, None])[new]
+        layout["key_visible"] = visible.view(num_rows, width)
+    return layout
 
 
 def build_shared_batch(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
-    groups: Sequence[Sequence[int]],
-    completion_mask: torch.Tensor | None = None,
-    rows: Sequence[Sequence[int]] | None = None,
+    prompt_lengths: torch.Tensor | None = None,
+    examples: torch.Tensor | None = None,
+    across_examples: bool = True,
+    share: bool = True,
+    rows: Sequence[Sequence[int]] | Callable[[list[int]], Sequence[Sequence[int]]] | None = None,
     pad_token_id: int = 0,
     pad_to_multiple_of: int | None = None,
     row_length: int | None = None,
     score_padding: bool = False,
+    check: bool = True,
+    plan: LayoutPlan | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Lay out stock rows as prefix-shared documents.
+    """The shared layout of stock rows: :func:`plan_layout`, then :func:`assemble_layout`.
 
     Args:
-        input_ids, attention_mask: stock ``[R, L]`` padded tensors (right-padded as TRL's collators build them, or
-            left-padded prompts as generation builds them).
-        groups: for each document, the stock row indices that share a prompt (e.g. ``[i, B + i]`` for DPO).
-        completion_mask: stock ``[R, L]`` completion mask; the shared prefix never mixes prompt and completion.
-        rows: which documents go in which shared row (packing); default one document per row.
-        pad_token_id: token used for padding the shared rows.
+        rows: which documents go in which shared row (packing), documents numbered in the plan's (sorted) order, or a
+            function of the documents' lengths that says so; default one document per row. Placing documents reads
+            their lengths on the host.
+        plan: the plan of these rows, if already made (the other planning arguments are then unused).
         pad_to_multiple_of: round the shared row length up to a multiple of this.
         row_length: fixed shared row length (packing); an error if a row does not fit.
-        score_padding: also lay out the padding after each row's tokens, as stock computes it when a trainer scores
-            it (online DPO's statistics do): a padding query sees its row's tokens and no key sees padding. Those
-            positions join the row's branch, and ``key_visible`` (False for them) is returned for the mask.
 
-    Returns:
-        ``input_ids``, ``position_ids``, ``document_ids`` (-1 = padding), ``branch_ids`` (0 = prefix) of shape
-        ``[N, S]`` (and ``key_visible`` with ``score_padding``), and ``stock_index`` ``[R, L]``: the flat index (into
-        ``N * S``) of every stock token, -1 for padding.
+    Other arguments: see :func:`plan_layout`. One device-to-host read (the number of documents and the longest).
     """
-    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
-        raise ValueError("`input_ids` and `attention_mask` must be [rows, length] tensors of the same shape.")
-    num_stock_rows, stock_len = input_ids.shape
-    lengths, starts = _token_runs(attention_mask)
-    ids_list = input_ids.tolist()
-    cm_list = completion_mask.tolist() if completion_mask is not None else None
-
-    seen = [False] * num_stock_rows
-    docs = []  # per document: (tokens, positions, branches, {stock_row: [offsets]})
-    for group in groups:
-        for r in group:
-            if not 0 <= r < num_stock_rows or seen[r]:
-                raise ValueError(f"Stock row {r} is out of range or in two groups.")
-            seen[r] = True
-        keyed = []  # (token, position[, completion mask]) of each row's tokens: equal keys mean equal hidden states
-        for r in group:
-            columns = range(starts[r], starts[r] + lengths[r])
-            keyed.append(
-                [(ids_list[r][c], c, cm_list[r][c]) if cm_list is not None else (ids_list[r][c], c) for c in columns]
-            )
-        m = common_prefix_length(keyed)
-        s = max(m - 1, 0)  # the last common token heads every branch
-        first, start0 = ids_list[group[0]], starts[group[0]]
-        tokens = list(first[start0 : start0 + s])
-        positions = list(range(start0, start0 + s))
-        branches = [0] * s
-        visible = [True] * s
-        offsets = {}
-        branch = 0
-        for key, r in zip(keyed, group, strict=True):
-            twin = next((group[j] for j in range(len(offsets)) if keyed[j] == key), None)
-            if twin is not None:  # identical to an earlier row: the same positions (bitwise equal, as in stock)
-                offsets[r] = offsets[twin]
-                continue
-            n, first_column = lengths[r], starts[r]
-            end = stock_len if score_padding else first_column + n  # the row's tokens (and its trailing padding)
-            start = len(tokens)
-            branch += 1
-            tokens.extend(ids_list[r][first_column + s : end])
-            positions.extend(range(first_column + s, end))
-            branches.extend([branch] * (end - first_column - s))
-            visible.extend([True] * (n - s) + [False] * (end - first_column - n))
-            offsets[r] = list(range(min(s, n))) + list(range(start, start + max(end - first_column - s, 0)))
-        docs.append((tokens, positions, branches, visible, offsets))
-
+    plan = plan or plan_layout(
+        input_ids,
+        attention_mask,
+        prompt_lengths=prompt_lengths,
+        examples=examples,
+        across_examples=across_examples,
+        share=share,
+        score_padding=score_padding,
+        check=check,
+    )
+    placement = {}
     if rows is None:
-        rows = [[d] for d in range(len(docs))]
-    used = sorted(d for row in rows for d in row)
-    if used != list(range(len(docs))):
-        raise ValueError("`rows` must place every document exactly once.")
-    row_lens = [sum(len(docs[d][0]) for d in row) for row in rows]
+        num_rows, needed = torch.stack([plan.num_documents, plan.document_lengths.max()]).tolist()
+    else:
+        num_documents = int(plan.num_documents)
+        lengths = plan.document_lengths[:num_documents].tolist()
+        if callable(rows):
+            rows = rows(lengths)
+        if sorted(d for row in rows for d in row) != list(range(num_documents)):
+            raise ValueError("`rows` must place every document exactly once.")
+        row_of, base, slot = ([0] * len(lengths) for _ in range(3))
+        row_lens = []
+        for r, row in enumerate(rows):
+            cursor = 0
+            for number, d in enumerate(row):
+                row_of[d], base[d], slot[d] = r, cursor, number
+                cursor += lengths[d]
+            row_lens.append(cursor)
+        device = plan.order.device
+        placement = {
+            "document_row": torch.tensor(row_of, device=device),
+            "document_base": torch.tensor(base, device=device),
+            "document_slot": torch.tensor(slot, device=device),
+        }
+        num_rows, needed = len(rows), max(row_lens, default=0)
     if row_length is None:
-        width = max(row_lens, default=0)
+        width = needed
         if pad_to_multiple_of:
             width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
     else:
         width = row_length
-        if max(row_lens, default=0) > width:
-            raise ValueError(f"A packed row needs {max(row_lens)} tokens, more than row_length={width}.")
-    width = max(width, 1)
-
-    n_rows = len(rows)
-    out_ids = torch.full((n_rows, width), pad_token_id, dtype=torch.long)
-    out_pos = torch.zeros((n_rows, width), dtype=torch.long)
-    out_doc = torch.full((n_rows, width), -1, dtype=torch.long)
-    out_branch = torch.zeros((n_rows, width), dtype=torch.long)
-    out_visible = torch.ones((n_rows, width), dtype=torch.bool)
-    stock_index = torch.full((num_stock_rows, stock_len), -1, dtype=torch.long)
-    for i, row in enumerate(rows):
-        cursor = 0
-        for doc_number, d in enumerate(row):
-            tokens, positions, branches, visible, offsets = docs[d]
-            n = len(tokens)
-            sl = slice(cursor, cursor + n)
-            out_ids[i, sl] = torch.tensor(tokens, dtype=torch.long)
-            out_pos[i, sl] = torch.tensor(positions, dtype=torch.long)
-            out_doc[i, sl] = doc_number
-            out_branch[i, sl] = torch.tensor(branches, dtype=torch.long)
-            out_visible[i, sl] = torch.tensor(visible, dtype=torch.bool)
-            base = i * width + cursor
-            for r, offs in offsets.items():
-                if offs:
-                    stock_index[r, starts[r] : starts[r] + len(offs)] = base + torch.tensor(offs, dtype=torch.long)
-            cursor += n
-    # Padding queries see earlier padding only: never a real token, and never an empty row (no NaN in softmax).
-    layout = {
-        "input_ids": out_ids,
-        "position_ids": out_pos,
-        "document_ids": out_doc,
-        "branch_ids": out_branch,
-        "stock_index": stock_index,
-    }
-    if score_padding:
-        layout["key_visible"] = out_visible
-    return layout
-
-
-def _token_runs(attention_mask: torch.Tensor) -> tuple[list[int], list[int]]:
-    """(length, first column) of each row's tokens, which must be one run: right padding, left padding, or both."""
-    lengths = attention_mask.sum(dim=1)
-    starts = torch.where(lengths > 0, attention_mask.int().argmax(dim=1), torch.zeros_like(lengths))
-    columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    one_run = (columns >= starts[:, None]) & (columns < (starts + lengths)[:, None])
-    if not torch.equal(attention_mask.bool(), one_run):
-        raise ValueError(
-            "Prefix sharing needs each stock row's tokens in one run (padding only before or after them), "
-            "as TRL's collators and generation build them; this attention_mask has holes."
-        )
-    return lengths.tolist(), starts.tolist()
-
-
-def groups_by_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix_length: int) -> list[list[int]]:
-    """Rows whose first ``prefix_length`` columns (tokens and mask) are equal, in order of first appearance.
-
-    For generated batches (``[left-padded prompt | completion]``): the generations of one prompt. Rows with equal
-    prompt columns compute equal prompt hidden states, so sharing them is exact even when two groups came from
-    duplicate prompts.
-    """
-    keys = torch.cat([input_ids[:, :prefix_length], attention_mask[:, :prefix_length]], dim=1).tolist()
-    groups: dict[tuple, list[int]] = {}
-    for row, key in enumerate(keys):
-        groups.setdefault(tuple(key), []).append(row)
-    return list(groups.values())
+        if needed > width:
+            raise ValueError(f"A packed row needs {needed} tokens, more than row_length={width}.")
+    return assemble_layout(plan, num_rows, max(width, 1), pad_token_id=pad_token_id, **placement)
 
 
 def shared_group_layout(
@@ -216,37 +386,43 @@ def shared_group_layout(
     pad_token_id: int,
     pad_to_multiple_of: int | None = None,
     score_padding: bool = False,
+    check: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """The shared layout of generated rows ``[prompt (prompt_length columns) | completion]`` (GRPO, RLOO, online DPO):
-    one document per group of rows with equal prompt columns, on the rows' device (``score_padding``: see
-    `build_shared_batch`)."""
-    groups = groups_by_prefix(input_ids, attention_mask, prompt_length)
-    completion_mask = attention_mask.clone()
-    completion_mask[:, :prompt_length] = 0  # a shared prefix never mixes prompt and completion tokens
-    layout = build_shared_batch(
+    """The shared layout of generated rows ``[prompt (prompt_length columns) | completion]`` (GRPO, RLOO, online DPO),
+    on the rows' device: a row's prompt is its tokens in the prompt columns, so a prompt's generations (and duplicate
+    prompts') form one document (``score_padding``: see :func:`plan_layout`)."""
+    prompt_lengths = attention_mask[:, :prompt_length].sum(dim=1)
+    return build_shared_batch(
         input_ids,
         attention_mask,
-        groups,
-        completion_mask=completion_mask,
+        prompt_lengths=prompt_lengths,
         pad_token_id=pad_token_id,
         pad_to_multiple_of=pad_to_multiple_of,
         score_padding=score_padding,
+        check=check,
     )
-    return {name: tensor.to(input_ids.device) for name, tensor in layout.items()}
 
 
-def shared_labels(layout: dict[str, torch.Tensor], stock_labels: torch.Tensor) -> torch.Tensor:
+def shared_positions(layout: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[N, S]``: positions of the shared rows that more than one stock position reads (the shared prefixes)."""
+    index = layout["stock_index"]
+    counts = torch.bincount(index[index >= 0], minlength=layout["input_ids"].numel())
+    return (counts > 1).view_as(layout["input_ids"])
+
+
+def shared_labels(layout: dict[str, torch.Tensor], stock_labels: torch.Tensor, check: bool = True) -> torch.Tensor:
     """Next-token labels on the shared rows (``shift_labels`` for the fused LM head) from the stock ``labels``.
 
-    The hidden state at a shared position predicts what its stock position predicts; positions shared by several
-    stock rows get the same label from each of them (the layout guarantees it, and it is checked here).
+    The hidden state at a shared position predicts what its stock position predicts; stock rows that score one shared
+    position give it the same label (the next token on the path is unique where two rows score it). ``check``
+    verifies that (a host sync on the rows' device).
     """
     index = layout["stock_index"][:, :-1]
     labels = stock_labels[:, 1:].to(index.device)
     valid = (index >= 0) & (labels != -100)
     flat = torch.full((layout["input_ids"].numel(),), -100, dtype=torch.long, device=index.device)
     flat[index[valid]] = labels[valid]
-    if not torch.equal(flat[index[valid]], labels[valid]):
+    if check and not torch.equal(flat[index[valid]], labels[valid]):
         raise RuntimeError("Prefix-sharing layout error: a shared position would score two different labels.")
     return flat.view_as(layout["input_ids"])
 

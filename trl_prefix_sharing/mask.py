@@ -1,15 +1,16 @@
 """The prefix-sharing attention mask: the one definition, in FlexAttention ``mask_mod`` form.
 
-A shared row holds one or more *documents* (one preference example each). A document is a shared prefix followed by
-K >= 1 *branches* (the completions). Every token carries three ids, built by :mod:`trl_prefix_sharing.layout`:
+The shared rows (:mod:`trl_prefix_sharing.layout`) hold a prefix trie laid out depth-first, so the tokens under a key
+form one span, ``[k, subtree_end[k])``. Every token carries:
 
-- ``document_ids``: which document the token belongs to (``-1`` for padding, which then only sees padding),
-- ``branch_ids``: ``0`` for the shared prefix, ``k >= 1`` for the k-th branch,
-- ``position_ids``: the position the token has in the ordinary, unshared sequence,
+- ``subtree_end``: where the subtree of the token ends (padding: right after itself),
+- ``position_ids``: the position the token has in the ordinary, unshared sequence (for sliding windows),
 - ``key_visible`` (only where a trainer scores stock's padding): False for padding that is a query but never a key.
 
-``dpo_mask`` lets a query see a key when the key is earlier (causal), in the same document, and either in the shared
-prefix or in the query's own branch. Drawn for one document ``[p p p | c c | r r r]``::
+``on_path`` is the whole rule: a query sees a key when the key is on its path from the root, ``k <= q <
+subtree_end[k]``. It is causal and keeps documents (packing) and sibling subtrees apart by construction. Drawn for one
+pair ``[p p p | c c | r r r]`` (``subtree_end`` 8 8 8 5 5 8 8 8; the rejected branch starts with a copy of the last
+prompt token)::
 
         p p p c c r r r   (keys)
     p   x . . . . . . .
@@ -34,10 +35,10 @@ from torch.nn.attention.flex_attention import and_masks
 __all__ = [
     "causal",
     "same_document",
-    "prefix_or_same_branch",
+    "on_path",
     "sliding_window",
     "visible_key",
-    "dpo_mask",
+    "prefix_sharing_mask",
     "dense_mask",
     "block_mask",
 ]
@@ -57,12 +58,12 @@ def same_document(document_ids: torch.Tensor):
     return mask_mod
 
 
-def prefix_or_same_branch(branch_ids: torch.Tensor):
-    """A query sees the shared prefix (branch 0) and its own branch: completions never see each other."""
+def on_path(subtree_end: torch.Tensor):
+    """A query sees the keys on its path from the root of the trie: a key whose subtree ``[k, subtree_end[k])``
+    holds the query. Siblings' subtrees (other completions), other documents and later tokens are outside it."""
 
     def mask_mod(b, h, q_idx, kv_idx):
-        kv_branch = branch_ids[b, kv_idx]
-        return (kv_branch == 0) | (kv_branch == branch_ids[b, q_idx])
+        return (kv_idx <= q_idx) & (q_idx < subtree_end[b, kv_idx])
 
     return mask_mod
 
@@ -87,27 +88,27 @@ def visible_key(key_visible: torch.Tensor):
     return mask_mod
 
 
-def dpo_mask(
-    document_ids: torch.Tensor,
-    branch_ids: torch.Tensor,
+def prefix_sharing_mask(
+    subtree_end: torch.Tensor,
     position_ids: torch.Tensor | None = None,
     window: int | torch.Tensor | None = None,
     key_visible: torch.Tensor | None = None,
 ):
-    """The prefix-sharing ``mask_mod``: causal, same document, prefix or own branch (and an optional sliding window,
-    and invisible padding keys where the layout scores stock's padding).
+    """The prefix-sharing ``mask_mod``: :func:`on_path` (and an optional sliding window, and invisible padding keys
+    where the layout scores stock's padding).
 
-    With one document per row and two branches this is the paper's
-    ``!((rejected_start <= q) && (chosen_start <= kv < rejected_start))`` on top of causal attention.
+    With one pair per row this is the paper's ``!((rejected_start <= q) && (chosen_start <= kv < rejected_start))`` on
+    top of causal attention; with packing, :func:`same_document` holds as well (a key's subtree never leaves its
+    document).
     """
-    mods = [causal, same_document(document_ids), prefix_or_same_branch(branch_ids)]
+    mods = [on_path(subtree_end)]
     if window is not None:
         if position_ids is None:
             raise ValueError("A sliding window needs `position_ids`.")
         mods.append(sliding_window(position_ids, window))
     if key_visible is not None:
         mods.append(visible_key(key_visible))
-    return and_masks(*mods)
+    return and_masks(*mods) if len(mods) > 1 else mods[0]
 
 
 def dense_mask(mask_mod, batch_size: int, q_len: int, kv_len: int, device=None) -> torch.Tensor:

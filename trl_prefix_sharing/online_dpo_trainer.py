@@ -75,7 +75,11 @@ class OnlineDPOTrainer(PrefixSharingMixin, _TRLOnlineDPOTrainer):
             )
         input_ids = torch.cat((prompt_ids, completion_ids), dim=1)
         attention_mask = torch.cat((prompt_mask, completion_mask), dim=1)
-        layout = self.sharing.generated_layout(input_ids, attention_mask, prompt_length, score_padding=True)
+        # one layout for the policy and reference passes, which TRL runs on these same tensors
+        source = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+        layout = self.sharing.generated_layout(
+            input_ids, attention_mask, prompt_length, score_padding=True, source=source
+        )
         labels = input_ids.clone()
         labels[:, :prompt_length] = -100  # every completion column, padding included, as stock scores them
         outputs = model(

@@ -8,6 +8,7 @@ loss code runs unchanged. Packing (:mod:`trl_prefix_sharing.packing`) composes w
 
 from __future__ import annotations
 
+import torch
 from datasets import Dataset
 from transformers.utils import logging
 
@@ -31,18 +32,22 @@ class PreferenceSharingMixin(PackingMixin, PrefixSharingMixin):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.sharing is not None:
             layout = self.sharing.prepare(inputs)
-            if self.model.training:  # token positions the training forwards really computed, on every rank
-                shared = (layout["document_ids"] >= 0).sum()
-                self._total_shared_tokens += int(self.accelerator.gather_for_metrics(shared).sum().item())
-                self._metrics["train"]["num_shared_tokens"] = [self._total_shared_tokens]
+            if self.model.training:  # token positions the training forwards really computed, on every rank, kept on
+                shared = self.accelerator.gather_for_metrics((layout["document_ids"] >= 0).sum()).sum()  # the device
+                self._total_shared_tokens = self._total_shared_tokens + shared
         return super().compute_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )
 
     def _init_prefix_sharing(self, model, args, processing_class, peft_config=None) -> None:
         super()._init_prefix_sharing(model, args, processing_class, peft_config)
-        self._total_shared_tokens = 0
+        self._total_shared_tokens = 0  # a device tensor once training, read when logging
         self.sharing_stats = None
+
+    def log(self, logs, start_time=None):
+        if self.sharing is not None and self.model.training and isinstance(self._total_shared_tokens, torch.Tensor):
+            self._metrics["train"]["num_shared_tokens"] = [int(self._total_shared_tokens)]
+        return super().log(logs, start_time)
 
     def train(self, *args, **kwargs):
         if self.prefix_sharing and self.sharing_stats is None and isinstance(self.train_dataset, Dataset):

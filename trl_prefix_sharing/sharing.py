@@ -18,6 +18,7 @@ after it, and :meth:`~PrefixSharingMixin.remove_prefix_sharing`. Packing is a se
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -97,6 +98,7 @@ class PrefixSharing:
         supports_vision: whether the trainer lays out images (DPO).
         fuse_lm_head: add TRL's fused log-prob head to the models first (for a trainer that materialises logits in
             stock, such as online DPO): the shared rows are then scored without logits over the prompt.
+        checks: `prefix_sharing_checks` (None: where the batch is on the CPU).
     """
 
     def __init__(
@@ -109,6 +111,7 @@ class PrefixSharing:
         trainer_name: str = "This trainer",
         supports_vision: bool = False,
         fuse_lm_head: bool = False,
+        checks: bool | None = None,
     ):
         if getattr(getattr(models[0], "active_peft_config", None), "is_prompt_learning", False):
             raise ValueError("Prefix sharing does not support prompt-learning PEFT adapters.")
@@ -120,6 +123,8 @@ class PrefixSharing:
         self.row_multiple = shared_row_multiple(self.attn_implementation, pad_to_multiple_of)
         self._switch = AttentionSwitch()
         self._fuse_lm_head = fuse_lm_head
+        self.checks = checks
+        self._layouts = _LayoutCache()
         self.attached = False
 
     # ----------------------------------------------------------------------------------------------- models
@@ -174,20 +179,75 @@ class PrefixSharing:
             raise RuntimeError("Prefix sharing is on but the batch has no layout: was the data collator replaced?")
         if "attention_mask" not in layout:
             layout["attention_mask"] = build_attention_mask(layout, self.attn_implementation, self.models[0].config)
+            layout["check"] = self._checks_on(layout["input_ids"])
         if "vision" not in layout and has_vision_inputs(inputs):  # images once per pair, M-RoPE positions
             layout["vision"] = shared_vision_inputs(self.models[0], inputs, layout)
         return layout
 
+    def _checks_on(self, tensor: torch.Tensor) -> bool:
+        return self.checks if self.checks is not None else tensor.device.type == "cpu"
+
     def generated_layout(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, score_padding: bool = False
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        prompt_length: int,
+        score_padding: bool = False,
+        source: tuple[torch.Tensor, ...] | None = None,
     ) -> dict:
-        """The layout, with its mask, of generated rows ``[left-padded prompt | completion]``: one document per group
-        of rows with equal prompt columns (``score_padding``: see `build_shared_batch`)."""
-        layout = shared_group_layout(
-            input_ids, attention_mask, prompt_length, self.pad_token_id, self.row_multiple, score_padding=score_padding
-        )
-        layout["attention_mask"] = build_attention_mask(layout, self.attn_implementation, self.models[0].config)
+        """The layout, with its mask, of generated rows ``[left-padded prompt | completion]`` (the trie of the rows: a
+        prompt's generations, and duplicate prompts', computed once; ``score_padding``: see `plan_layout`).
+
+        Built once per set of rows: it is kept while the tensors the rows were read from live unchanged (``source``,
+        default ``input_ids`` and ``attention_mask``; views of one generation batch count as the same rows), so the
+        old-policy, reference and training passes over the same rows share one layout and one mask."""
+        source = (input_ids, attention_mask) if source is None else source
+        key = (prompt_length, score_padding)
+        layout = self._layouts.get(source, key)
+        if layout is None:
+            check = self._checks_on(input_ids)
+            layout = shared_group_layout(
+                input_ids,
+                attention_mask,
+                prompt_length,
+                self.pad_token_id,
+                self.row_multiple,
+                score_padding=score_padding,
+                check=check,
+            )
+            layout["attention_mask"] = build_attention_mask(layout, self.attn_implementation, self.models[0].config)
+            layout["check"] = check
+            self._layouts.put(source, key, layout)
         return layout
+
+
+class _LayoutCache:
+    """Layouts keyed by the tensors they were built from: the same storage, offset, shape and strides, unchanged
+    (tensor version counters), while that storage lives (a weak reference to its base tensor; dropped with it)."""
+
+    def __init__(self):
+        self._entries: dict = {}
+
+    @staticmethod
+    def _key(tensors, extra) -> tuple:
+        bases = [t._base if t._base is not None else t for t in tensors]
+        return (
+            tuple((id(b), t.storage_offset(), tuple(t.shape), t.stride(), t._version) for t, b in zip(tensors, bases)),
+            extra,
+        ), bases
+
+    def get(self, tensors, extra):
+        key, bases = self._key(tensors, extra)
+        entry = self._entries.get(key)
+        if entry is None or any(ref() is not base for ref, base in zip(entry[0], bases)):
+            return None
+        return entry[1]
+
+    def put(self, tensors, extra, layout) -> None:
+        key, bases = self._key(tensors, extra)
+        self._entries[key] = ([weakref.ref(b) for b in bases], layout)
+        for base in bases:
+            weakref.finalize(base, self._entries.pop, key, None)
 
 
 class PrefixSharingMixin:
@@ -260,6 +320,7 @@ class PrefixSharingMixin:
             trainer_name=type(self).__name__,
             supports_vision=self._supports_vision,
             fuse_lm_head=self._fuse_lm_head,
+            checks=getattr(self.args, "prefix_sharing_checks", None),
         )
         self.sharing.attach()
         self._setup_collator()

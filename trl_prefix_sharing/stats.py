@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 __all__ = ["SharingStats", "sharing_stats"]
 
@@ -45,17 +47,19 @@ class SharingStats:
 
 
 def sharing_stats(dataset, collator, max_examples: int = 10_000, chunk_size: int = 256) -> SharingStats:
-    """Run ``collator`` (a :class:`PrefixSharingCollator`) over up to ``max_examples`` rows and count positions."""
+    """Run ``collator`` (a :class:`PrefixSharingCollator`) over up to ``max_examples`` rows and count positions, each
+    example on its own (what every micro-batch saves; one that also holds other pairs of a prompt saves more)."""
     total = len(dataset)
     n = min(total, max_examples)
     stock = shared = unshared = 0
     for start in range(0, n, chunk_size):
         examples = [dataset[i] for i in range(start, min(start + chunk_size, n))]
-        batch = collator(examples)
-        layout = batch["prefix_sharing"]
-        stock += int(batch["attention_mask"].sum())
-        shared += int((layout["document_ids"] >= 0).sum())
-        unshared += int((layout["branch_ids"] == 0).logical_and(layout["document_ids"] >= 0).sum(dim=1).eq(0).sum())
+        batch = collator.base_collator(examples)
+        units = torch.tensor(collator.unit_lengths(batch))
+        rows = torch.tensor([int(batch["attention_mask"][group].sum()) for group in collator.example_groups(batch)])
+        stock += int(rows.sum())
+        shared += int(units.sum())
+        unshared += int((units == rows).sum())
     return SharingStats(
         examples=n, stock_tokens=stock, shared_tokens=shared, no_shared_prefix=unshared, total_examples=total
     )

@@ -80,12 +80,16 @@ INTERNALS: dict[str, tuple[Internal, ...]] = {
     "grpo": (
         Internal(_GRPO, "_get_per_token_logps_and_entropies", "override", _LOGPS),
         Internal(_GRPO, "_prepare_inputs", "override", ("self", "generation_batch")),
+        Internal(_GRPO, "compute_loss", "override", ("self", "model", "inputs")),
+        Internal(_GRPO, "log", "override", ("self", "logs", "start_time")),
         Internal("trl.trainer.grpo_trainer", "shuffle_sequence_dict", "replace", ("seq_dict",)),
         Internal(_GRPO, "_metrics", "write", attribute=True),
     ),
     "rloo": (
         Internal(_RLOO, "_get_per_token_logps_and_entropies", "override", _LOGPS),
         Internal(_RLOO, "_prepare_inputs", "override", ("self", "generation_batch")),
+        Internal(_RLOO, "compute_loss", "override", ("self", "model", "inputs")),
+        Internal(_RLOO, "log", "override", ("self", "logs", "start_time")),
         Internal("trl.trainer.rloo_trainer", "shuffle_sequence_dict", "replace", ("seq_dict",)),
         Internal(_RLOO, "_metrics", "write", attribute=True),
     ),

@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from ..collator import PrefixSharingCollator
+    from ..layout import shared_positions
     from ..config import DPOConfig, RewardConfig
     from ..dpo_trainer import DPO_COLUMNS
     from ..reward_trainer import REWARD_COLUMNS
@@ -141,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                 if ranked
                 else DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)
             )
-    collator = PrefixSharingCollator(base, pad_token_id=tokenizer.pad_token_id)
+    # each example on its own: what every micro-batch saves (one that holds several pairs of a prompt saves more)
+    collator = PrefixSharingCollator(base, pad_token_id=tokenizer.pad_token_id, across_examples=False)
 
     prompt_lens, completion_lens, shared_units, unshared_units = [], [], [], []
     stock_tokens = shared_tokens = stock_attention = shared_attention = no_prefix = 0
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         layout = batch["prefix_sharing"]
         lengths = batch["attention_mask"].sum(dim=1).tolist()
         per_doc = (layout["document_ids"] >= 0).sum(dim=1).tolist()
-        prefix = ((layout["branch_ids"] == 0) & (layout["document_ids"] >= 0)).sum(dim=1).tolist()
+        prefix = shared_positions(layout).sum(dim=1).tolist()  # positions every row of the example reads
         groups = collator.example_groups(batch)
         for first in range(0, len(groups), batch_size):  # consecutive examples stand in for a shuffled batch
             rows = [r for group in groups[first : first + batch_size] for r in group]
