@@ -3,7 +3,7 @@
     python scripts/draw_mask.py docs/images/dpo_mask.png
 
 Rows are queries, columns keys; a filled cell means "may attend". Colours: prompt (grey), chosen (green),
-rejected (red); the mask is evaluated by `trl_prefix_sharing.mask.dense_mask(dpo_mask(...))`, the same function the
+rejected (red); the mask is evaluated by `trl_prefix_sharing.mask.dense_mask(prefix_sharing_mask(...))`, the same function the
 trainer uses for SDPA.
 """
 
@@ -13,8 +13,8 @@ import zlib
 
 import torch
 
-from trl_prefix_sharing.layout import build_shared_batch
-from trl_prefix_sharing.mask import dense_mask, dpo_mask
+from trl_prefix_sharing.layout import build_shared_batch, prompt_lengths_from_completion_mask
+from trl_prefix_sharing.mask import dense_mask, prefix_sharing_mask
 
 
 COLOURS = {0: (120, 120, 120), 1: (46, 160, 67), 2: (207, 34, 46)}
@@ -42,10 +42,14 @@ def main(path):
     ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
     attn = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
     cm = torch.tensor([[0] * len(prompt) + [1] * (len(r) - len(prompt)) + [0] * (width - len(r)) for r in rows])
-    layout = build_shared_batch(ids, attn, [[0, 1]], completion_mask=cm)
-    branch = layout["branch_ids"][0].tolist()
-    mask = dense_mask(dpo_mask(layout["document_ids"], layout["branch_ids"]), 1, len(branch), len(branch))[0, 0]
-    n = len(branch)
+    layout = build_shared_batch(ids, attn, prompt_lengths=prompt_lengths_from_completion_mask(attn, cm))
+    n = layout["input_ids"].shape[1]
+    readers = [set() for _ in range(n)]  # which stock rows read each shared position
+    for row in range(2):
+        for position in layout["stock_index"][row][attn[row].bool()].tolist():
+            readers[position].add(row)
+    branch = [0 if len(r) == 2 else 1 + min(r) for r in readers]  # 0: shared by both rows, 1: chosen, 2: rejected
+    mask = dense_mask(prefix_sharing_mask(layout["subtree_end"]), 1, n, n)[0, 0]
     size = n * CELL
     pixels = [[(255, 255, 255)] * size for _ in range(size)]
     for q in range(n):
