@@ -3,8 +3,8 @@
     python scripts/draw_mask.py docs/images/dpo_mask.png
 
 Rows are queries, columns keys; a filled cell means "may attend". Colours: prompt (grey), chosen (green),
-rejected (red); the mask is evaluated by `trl_prefix_sharing.mask.dense_mask(prefix_sharing_mask(...))`, the same function the
-trainer uses for SDPA.
+rejected (red); the mask is evaluated by `trl_prefix_sharing.mask.dense_mask(prefix_sharing_mask(...))`, the same
+function the trainer uses for SDPA.
 """
 
 import struct

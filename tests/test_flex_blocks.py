@@ -41,7 +41,9 @@ def block_counts(block_mask, layout):
     subtree_end = layout["subtree_end"]
     n, s = subtree_end.shape
     k = s // BLOCK
-    dense = dense_mask(prefix_sharing_mask(subtree_end, layout["position_ids"], None, layout.get("key_visible")), n, s, s)
+    dense = dense_mask(
+        prefix_sharing_mask(subtree_end, layout["position_ids"], None, layout.get("key_visible")), n, s, s
+    )
     blocks = dense.view(n, k, BLOCK, k, BLOCK).transpose(2, 3).reshape(n, k, k, BLOCK * BLOCK)
     full_kv = block_mask.full_kv_num_blocks
     computed = int(block_mask.kv_num_blocks.sum()) + (int(full_kv.sum()) if full_kv is not None else 0)

@@ -20,7 +20,9 @@ def _stock(rows, prompt_lens=None, pad=0, left=False):
     width = max(len(r) for r in rows)
     pads = [[pad] * (width - len(r)) for r in rows]
     ids = torch.tensor([p + r if left else r + p for r, p in zip(rows, pads, strict=True)])
-    attn = torch.tensor([[0] * len(p) + [1] * len(r) if left else [1] * len(r) + [0] * len(p) for r, p in zip(rows, pads, strict=True)])
+    attn = torch.tensor(
+        [[0] * len(p) + [1] * len(r) if left else [1] * len(r) + [0] * len(p) for r, p in zip(rows, pads, strict=True)]
+    )
     if prompt_lens is None:
         return ids, attn, None
     cm = torch.tensor(
@@ -52,9 +54,9 @@ def check_layout(layout, ids, attn, score_padding=False):
     columns = torch.arange(ids.shape[1]).expand_as(ids)
     assert torch.equal(layout["position_ids"].view(-1)[index[real]], columns[real])
     n, s = layout["input_ids"].shape
-    mask = dense_mask(
-        prefix_sharing_mask(layout["subtree_end"], key_visible=layout.get("key_visible")), n, s, s
-    )[:, 0].reshape(n * s, s)
+    mask = dense_mask(prefix_sharing_mask(layout["subtree_end"], key_visible=layout.get("key_visible")), n, s, s)[
+        :, 0
+    ].reshape(n * s, s)
     visible_keys = layout.get("key_visible", torch.ones(n, s, dtype=torch.bool)).view(-1)
     for r in range(ids.shape[0]):
         flat = index[r][real[r]].tolist()

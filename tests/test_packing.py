@@ -220,6 +220,7 @@ def test_mask_that_forgets_documents_fails(tmp_path, tokenizer, monkeypatch):
     examples = list(stock.train_dataset)
     stock_result = step(stock, examples)
     assert_same_step(stock_result, step(packed, examples))  # the real mask passes
+
     def leaky(subtree_end, position_ids=None, window=None, key_visible=None):
         """on_path, and every earlier key of another tree of the row (another example) as well"""
         reach = subtree_end.cummax(dim=1).values

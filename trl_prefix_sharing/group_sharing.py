@@ -125,7 +125,9 @@ class GroupSharingTrainerMixin(PrefixSharingMixin):
             inputs = self._loss_inputs
             source = None
             if inputs is not None:  # the training pass over a micro-batch: its layout is kept with its rows
-                source = tuple(inputs[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask"))
+                source = tuple(
+                    inputs[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+                )
             model = _SharedRowsModel(self, model, logits_to_keep, source)
         return super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs

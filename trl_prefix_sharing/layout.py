@@ -29,8 +29,9 @@ rows of one example have in common): a prompt's pairs, its group, its later turn
 start (a chat template's header, a short system prompt) does not join documents, since a longer row costs more
 attention than the few positions it saves.
 
-**Built with tensor ops where the batch lives**: a sort of the rows (longest common prefixes of all row pairs, chunked),
-cumulative sums and scatters; no per-token Python. One device-to-host read per build gives the shared rows' shape.
+**Built with tensor ops where the batch lives**: a sort of the rows (longest common prefixes of all row pairs,
+chunked), cumulative sums and scatters; no per-token Python. One device-to-host read per build gives the shared rows'
+shape.
 
 ``stock_index`` maps every stock position to its place in the shared rows; everything computed on the shared rows
 (log-probs, rewards) is gathered back through it.

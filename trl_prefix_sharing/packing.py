@@ -30,7 +30,7 @@ from .distributed import gather_variable, variable_size_gathers
 from .sampler import MultipackSampler
 
 
-__all__ = ["PackingMixin", "TrainerMultipackSampler"]
+__all__ = ["PackingMixin", "TrainerMultipackSampler", "PromptGroupSampler", "prompt_groups"]
 
 logger = logging.get_logger(__name__)
 
@@ -44,6 +44,59 @@ class TrainerMultipackSampler(MultipackSampler, BatchRebalanceSampler):
 
     def __init__(self, *args, **kwargs):
         MultipackSampler.__init__(self, *args, **kwargs)
+
+
+class PromptGroupSampler(torch.utils.data.Sampler):
+    """A sampler's order with the examples of one prompt kept together (`group_by_prompt`).
+
+    Draws the wrapped sampler's whole order (so the random stream is stock TRL's), then orders whole prompt groups by
+    where their first example falls, each group's examples in the order drawn.
+
+    Args:
+        sampler: the stock training sampler.
+        groups: the prompt group of every dataset index.
+    """
+
+    def __init__(self, sampler, groups: list[int]):
+        self.sampler = sampler
+        self.groups = groups
+
+    def __iter__(self):
+        order = list(self.sampler)
+        first: dict[int, int] = {}
+        for place, index in enumerate(order):
+            first.setdefault(self.groups[index], place)
+        return iter(sorted(order, key=lambda index: first[self.groups[index]]))  # stable: drawn order within
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+def prompt_groups(dataset) -> list[int]:
+    """The prompt group of every example: its `prompt_ids` (DPO), its `prompt` (a reward dataset that keeps one), else
+    the common start of its `chosen_ids` and `rejected_ids`, or of its `completion_ids` (ranked)."""
+    columns = set(dataset.column_names)
+    if "prompt_ids" in columns:
+        keys = [tuple(ids) for ids in dataset["prompt_ids"]]
+    elif "prompt" in columns:
+        keys = [repr(prompt) for prompt in dataset["prompt"]]
+    elif {"chosen_ids", "rejected_ids"} <= columns:
+        keys = [_common_start(c, r) for c, r in zip(dataset["chosen_ids"], dataset["rejected_ids"], strict=True)]
+    elif "completion_ids" in columns:
+        keys = [_common_start(*rows) for rows in dataset["completion_ids"]]
+    else:
+        raise ValueError(
+            f"`group_by_prompt=True` finds no prompt in the dataset's columns {sorted(columns)}: it needs "
+            "`prompt_ids`, `prompt`, `chosen_ids`/`rejected_ids` or `completion_ids`."
+        )
+    ids: dict = {}
+    return [ids.setdefault(key, len(ids)) for key in keys]
+
+
+def _common_start(*rows) -> tuple:
+    n = min(len(row) for row in rows)
+    end = next((i for i in range(n) if any(row[i] != rows[0][i] for row in rows[1:])), n)
+    return tuple(rows[0][:end])
 
 
 class PackingMixin:
@@ -138,7 +191,14 @@ class PackingMixin:
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         if self.packing and isinstance(dataset, Dataset):
             return self._multipack_sampler(dataset, shuffle=True)
-        return super()._get_train_sampler(train_dataset)
+        sampler = super()._get_train_sampler(train_dataset)
+        if getattr(self.args, "group_by_prompt", False) and sampler is not None:
+            if not isinstance(dataset, Dataset):
+                raise ValueError(
+                    "`group_by_prompt=True` needs a map-style dataset (a stream has no prompts to group)."
+                )
+            return PromptGroupSampler(sampler, prompt_groups(dataset))
+        return sampler
 
     def _get_eval_sampler(self, eval_dataset):
         if self.packing and isinstance(eval_dataset, Dataset):

@@ -232,14 +232,17 @@ class _LayoutCache:
     def _key(tensors, extra) -> tuple:
         bases = [t._base if t._base is not None else t for t in tensors]
         return (
-            tuple((id(b), t.storage_offset(), tuple(t.shape), t.stride(), t._version) for t, b in zip(tensors, bases)),
+            tuple(
+                (id(b), t.storage_offset(), tuple(t.shape), t.stride(), t._version)
+                for t, b in zip(tensors, bases, strict=True)
+            ),
             extra,
         ), bases
 
     def get(self, tensors, extra):
         key, bases = self._key(tensors, extra)
         entry = self._entries.get(key)
-        if entry is None or any(ref() is not base for ref, base in zip(entry[0], bases)):
+        if entry is None or any(ref() is not base for ref, base in zip(entry[0], bases, strict=True)):
             return None
         return entry[1]
 

@@ -86,9 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from ..collator import PrefixSharingCollator
-    from ..layout import shared_positions
     from ..config import DPOConfig, RewardConfig
     from ..dpo_trainer import DPO_COLUMNS
+    from ..layout import shared_positions
     from ..reward_trainer import REWARD_COLUMNS
     from ..sampler import MultipackSampler
     from ..validation import check_dataset_columns

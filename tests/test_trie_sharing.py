@@ -1,0 +1,165 @@
+"""Sharing across the pairs of a micro-batch (the prefix trie): several pairs of one prompt, a pair at every turn of a
+conversation, duplicate prompts. Every number equals stock TRL's on the same micro-batch, with fewer positions than
+sharing each pair's prompt alone; a mask that lets one subtree see another fails; `group_by_prompt` keeps a prompt's
+pairs together without changing the random stream."""
+
+import itertools
+import random
+
+import pytest
+import torch
+from datasets import Dataset
+from equivalence import (
+    assert_same_reward_step,
+    assert_same_step,
+    leaky_dpo_mask,
+    make_reward_trainers,
+    make_trainers,
+    reward_step,
+    step,
+)
+
+import trl_prefix_sharing.attention as attention_module
+
+
+def _words(rng, n):
+    return " ".join(f"w{rng.randrange(150)}" for _ in range(n))
+
+
+def all_pairs_dataset(prompts=3, seed=0) -> Dataset:
+    """Every pair (better, worse) of K = 3-5 ranked completions per prompt, a prompt's pairs next to each other."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(prompts):
+        prompt = _words(rng, rng.randrange(8, 20))
+        completions = [" " + _words(rng, rng.randrange(1, 6)) for _ in range(rng.choice([3, 4, 5]))]
+        for better, worse in itertools.combinations(completions, 2):
+            rows.append({"prompt": prompt, "chosen": better, "rejected": worse})
+    return Dataset.from_list(rows)
+
+
+def multi_turn_dataset(conversations=2, turns=3, seed=1) -> Dataset:
+    """A (chosen, rejected) pair at every turn; turn t+1's prompt holds turn t's prompt and chosen answer."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(conversations):
+        messages = [{"role": "user", "content": _words(rng, rng.randrange(5, 12))}]
+        for _ in range(turns):
+            chosen, rejected = _words(rng, rng.randrange(2, 6)), _words(rng, rng.randrange(1, 6))
+            rows.append(
+                {
+                    "prompt": list(messages),
+                    "chosen": [{"role": "assistant", "content": chosen}],
+                    "rejected": [{"role": "assistant", "content": rejected}],
+                }
+            )
+            messages += [{"role": "assistant", "content": chosen}, {"role": "user", "content": _words(rng, 4)}]
+    return Dataset.from_list(rows)
+
+
+def duplicates_dataset() -> Dataset:
+    """Duplicate prompts in different pairs, an identical pair twice, and a one-word prompt."""
+    rows = [
+        {"prompt": "w1 w2 w3 w4 w5", "chosen": " w6 w7", "rejected": " w8"},
+        {"prompt": "w1 w2 w3 w4 w5", "chosen": " w9", "rejected": " w6 w7"},
+        {"prompt": "w1 w2 w3 w4 w5", "chosen": " w6 w7", "rejected": " w8"},
+        {"prompt": "w1", "chosen": " w2 w3", "rejected": " w4"},
+        {"prompt": "w20 w21 w22", "chosen": " w23", "rejected": " w23"},
+    ]
+    return Dataset.from_list(rows)
+
+
+DATASETS = {"all_pairs": all_pairs_dataset, "multi_turn": multi_turn_dataset, "duplicates": duplicates_dataset}
+
+
+def positions(batch) -> int:
+    return int((batch["prefix_sharing"]["document_ids"] >= 0).sum())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("data", list(DATASETS))
+def test_dpo_trie_matches_stock(tmp_path, tokenizer, family, data):
+    stock, shared = make_trainers(tmp_path, family, DATASETS[data](), tokenizer)
+    examples = list(stock.train_dataset)
+    expected, got = step(stock, examples), step(shared, examples)
+    assert_same_step(expected, got)
+    trie = positions(got["batch"])
+    shared.data_collator.across_examples = False  # each pair's prompt alone
+    pair_only = positions(shared.data_collator(examples))
+    assert trie < pair_only < int(expected["batch"]["attention_mask"].sum())
+
+
+@pytest.mark.parametrize("data", ["all_pairs", "multi_turn"])
+def test_reward_trie_matches_stock(tmp_path, tokenizer, data):
+    stock, shared = make_reward_trainers(tmp_path, "llama", DATASETS[data](), tokenizer)
+    examples = list(stock.train_dataset)
+    expected, got = reward_step(stock, examples), reward_step(shared, examples)
+    assert_same_reward_step(expected, got, compare_rewards=True)
+    shared.data_collator.across_examples = False
+    assert positions(got["batch"]) < positions(shared.data_collator(examples))
+
+
+def test_trie_with_packing_and_precomputed_reference(tmp_path, tokenizer):
+    stock, shared = make_trainers(
+        tmp_path,
+        "llama",
+        all_pairs_dataset(),
+        tokenizer,
+        ref_model=None,
+        precompute_ref_log_probs=True,
+        ours={"prefix_sharing": True, "packing": True},
+    )
+    for column in ("ref_chosen_logps", "ref_rejected_logps"):
+        torch.testing.assert_close(
+            torch.tensor(shared.train_dataset[column]), torch.tensor(stock.train_dataset[column]), atol=1e-5, rtol=1e-5
+        )
+    for trainer in (stock, shared):  # away from the reference (see test_dpo_equivalence)
+        torch.manual_seed(7)
+        for param in trainer.model.parameters():
+            param.data.add_(torch.randn_like(param), alpha=0.02)
+    shared.data_collator.packing_row_length = None  # all pairs in one packed row
+    examples = list(stock.train_dataset)
+    assert_same_step(step(stock, examples), step(shared, examples))
+
+
+def test_a_mask_that_lets_a_subtree_see_another_fails(tmp_path, tokenizer, monkeypatch):
+    stock, shared = make_trainers(tmp_path, "llama", all_pairs_dataset(), tokenizer)
+    examples = list(stock.train_dataset)
+    expected = step(stock, examples)
+    assert_same_step(expected, step(shared, examples))
+    monkeypatch.setattr(attention_module, "prefix_sharing_mask", leaky_dpo_mask)
+    with pytest.raises(AssertionError):
+        assert_same_step(expected, step(shared, examples))
+
+
+def test_group_by_prompt_keeps_pairs_together_and_the_random_stream(tmp_path, tokenizer):
+    from trl_prefix_sharing.packing import PromptGroupSampler, prompt_groups
+
+    data = all_pairs_dataset(prompts=5, seed=3)
+    stock, shared = make_trainers(
+        tmp_path, "llama", data, tokenizer, ours={"prefix_sharing": True, "group_by_prompt": True}
+    )
+    groups = prompt_groups(shared.train_dataset)
+    assert len(set(groups)) == 5
+    torch.manual_seed(0)
+    stock_order = list(stock._get_train_sampler())
+    after_stock = torch.randint(1 << 30, ())
+    torch.manual_seed(0)
+    sampler = shared._get_train_sampler()
+    assert isinstance(sampler, PromptGroupSampler)
+    order = list(sampler)
+    assert torch.randint(1 << 30, ()) == after_stock  # the same random draws
+    assert sorted(order) == sorted(stock_order) and order != stock_order
+    runs = [g for g, _ in itertools.groupby(groups[i] for i in order)]
+    assert len(runs) == len(set(runs))  # each prompt's pairs in one run
+    firsts = {}
+    for place, index in enumerate(stock_order):
+        firsts.setdefault(groups[index], place)
+    assert runs == sorted(set(runs), key=firsts.get)  # groups in the order their first pair was drawn
+
+
+def test_group_by_prompt_is_refused_with_packing():
+    from trl_prefix_sharing import DPOConfig
+
+    with pytest.raises(ValueError, match="group_by_prompt"):
+        DPOConfig(output_dir="unused", group_by_prompt=True, packing=True, use_cpu=True, bf16=False)
