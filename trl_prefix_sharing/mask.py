@@ -62,8 +62,12 @@ def on_path(subtree_end: torch.Tensor):
     """A query sees the keys on its path from the root of the trie: a key whose subtree ``[k, subtree_end[k])``
     holds the query. Siblings' subtrees (other completions), other documents and later tokens are outside it."""
 
+    # the query's own index is read from a tensor rather than compared as a number: torch 2.13's CPU FlexAttention
+    # kernel generates invalid C++ for `q_idx < subtree_end[b, kv_idx]` once the row count is dynamic
+    query = torch.arange(subtree_end.shape[-1], device=subtree_end.device).expand_as(subtree_end)
+
     def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (q_idx < subtree_end[b, kv_idx])
+        return (kv_idx <= q_idx) & (query[b, q_idx] < subtree_end[b, kv_idx])
 
     return mask_mod
 
