@@ -158,8 +158,21 @@ def test_group_by_prompt_keeps_pairs_together_and_the_random_stream(tmp_path, to
     assert runs == sorted(set(runs), key=firsts.get)  # groups in the order their first pair was drawn
 
 
-def test_group_by_prompt_is_refused_with_packing():
-    from trl_prefix_sharing import DPOConfig
-
-    with pytest.raises(ValueError, match="group_by_prompt"):
-        DPOConfig(output_dir="unused", group_by_prompt=True, packing=True, use_cpu=True, bf16=False)
+def test_group_by_prompt_with_packing_packs_a_prompts_pairs_as_one_unit(tmp_path, tokenizer):
+    data = all_pairs_dataset(prompts=6, seed=4)
+    stock, shared = make_trainers(
+        tmp_path, "llama", data, tokenizer, ours={"prefix_sharing": True, "packing": True, "group_by_prompt": True}
+    )
+    groups = shared._groups(shared.train_dataset)
+    assert len(groups) == 6 and sorted(i for g in groups for i in g) == list(range(len(data)))
+    lengths = shared._unit_lengths(shared.train_dataset, grouped=True)
+    alone = shared._unit_lengths(shared.train_dataset)
+    assert all(lengths[u] < sum(alone[i] for i in g) for u, g in enumerate(groups))  # a prompt's trie is shorter
+    batches = list(shared._get_train_sampler())
+    assert sorted(i for b in batches for i in b) == list(range(len(data)))
+    for batch in batches:  # whole prompts per batch, and the packed row holds them
+        assert all(set(g) <= set(batch) or not set(g) & set(batch) for g in groups)
+        examples = [shared.train_dataset[i] for i in batch]
+        layout = shared.data_collator(examples)["prefix_sharing"]
+        assert (layout["document_ids"] >= 0).sum() <= shared.data_collator.packing_length
+        assert_same_step(step(stock, [stock.train_dataset[i] for i in batch]), step(shared, examples))

@@ -84,9 +84,14 @@ class PrefixSharingCollator:
             ids[rows] = example
         return ids.to(batch["input_ids"].device)
 
-    def plan(self, batch) -> LayoutPlan:
-        """The trie of this batch's rows (see :func:`~trl_prefix_sharing.layout.plan_layout`)."""
+    def plan(self, batch, units: torch.Tensor | None = None) -> LayoutPlan:
+        """The trie of this batch's rows (see :func:`~trl_prefix_sharing.layout.plan_layout`); with ``units`` (the
+        packing unit of each example), each unit's rows alone."""
         completion_mask = batch.get("completion_mask")
+        examples = self.example_ids(batch)
+        across = self.across_examples and not has_vision_inputs(batch)
+        if units is not None:
+            examples, across = units.to(examples.device)[examples], False
         return plan_layout(
             batch["input_ids"],
             batch["attention_mask"],
@@ -95,8 +100,8 @@ class PrefixSharingCollator:
                 if completion_mask is None
                 else prompt_lengths_from_completion_mask(batch["attention_mask"], completion_mask)
             ),
-            examples=self.example_ids(batch),
-            across_examples=self.across_examples and not has_vision_inputs(batch),
+            examples=examples,
+            across_examples=across,
             share=self.share_prefix,
         )
 
@@ -128,12 +133,14 @@ class PrefixSharingCollator:
         order = sorted(range(len(lengths)), key=lambda d: -lengths[d])
         return first_fit_decreasing(order, lengths, row_length)
 
-    def unit_lengths(self, batch) -> list[int]:
-        """Tokens each example of ``batch`` occupies in a packed row (its trie alone, or its unshared rows)."""
-        plan = copy.copy(self)
-        plan.across_examples = False
-        example_ids = self.example_ids(batch)
-        return plan.plan(batch).tokens_per(example_ids, len(self.example_groups(batch))).tolist()
+    def unit_lengths(self, batch, units: torch.Tensor | None = None) -> list[int]:
+        """Tokens each packing unit of ``batch`` occupies in a packed row: each example alone (its trie, or its
+        unshared rows), or with ``units`` (the unit of each example) the trie of each unit's examples together."""
+        size = len(self.example_groups(batch))
+        if units is None:
+            units = torch.arange(size)
+        unit_ids = units.to(batch["input_ids"].device)[self.example_ids(batch)]
+        return self.plan(batch, units).tokens_per(unit_ids, int(units.max()) + 1).tolist()
 
     def unpacked(self) -> PrefixSharingCollator:
         """This collator with one document per row (used to measure each example's packing unit)."""
@@ -144,12 +151,22 @@ class PrefixSharingCollator:
         return clone
 
 
-def unit_lengths(dataset, collator: PrefixSharingCollator, chunk_size: int = 256) -> list[int]:
-    """Tokens each example occupies in a packed row (its trie, or its rows' documents when not shared), measured by
-    running ``collator``'s own base collator and layout, so truncation and sharing are exactly what training will see.
-    A packed batch that holds several examples of one prompt shares between them, so it only gets shorter."""
+def unit_lengths(dataset, collator: PrefixSharingCollator, chunk_size: int = 256, groups=None) -> list[int]:
+    """Tokens each packing unit occupies in a packed row, measured by running ``collator``'s own base collator and
+    layout, so truncation and sharing are exactly what training will see. Units: each example (its trie, or its rows'
+    documents when not shared; a packed batch that holds several examples of one prompt shares between them, so it
+    only gets shorter), or each group of dataset indices in ``groups`` (a prompt's examples: their trie)."""
+    if groups is None:
+        groups = [[i] for i in range(len(dataset))]
     lengths: list[int] = []
-    for start in range(0, len(dataset), chunk_size):
-        batch = collator.base_collator([dataset[i] for i in range(start, min(start + chunk_size, len(dataset)))])
-        lengths.extend(collator.unit_lengths(batch))
+    start = 0
+    while start < len(groups):
+        chunk, size = [], 0
+        while start < len(groups) and (not chunk or size + len(groups[start]) <= chunk_size):
+            chunk.append(groups[start])
+            size += len(groups[start])
+            start += 1
+        batch = collator.base_collator([dataset[i] for group in chunk for i in group])
+        units = torch.tensor([u for u, group in enumerate(chunk) for _ in group])
+        lengths.extend(collator.unit_lengths(batch, units))
     return lengths

@@ -41,7 +41,7 @@ _PACKING_DOC = """
         pair falls. What changes: which pairs share a micro-batch (and so what a per-micro-batch loss or metric
         averages over). What does not: the pairs each epoch sees, every per-pair number. Pairs are grouped by their
         `prompt_ids` (DPO), or by the `prompt` column where a reward dataset has one, else by the common start of
-        the chosen and rejected tokens. Not with `packing`.
+        the chosen and rejected tokens. With `packing`, the packing unit is a prompt's pairs together (their trie).
     packing (`bool`, *optional*, defaults to `False`):
         Pack several examples into one row with a multipack first-fit-decreasing sampler, removing padding. Each
         example is one document of the row (no token sees another example). Works with and without
@@ -118,17 +118,13 @@ class PackingArguments(PrefixSharingArguments):
         metadata={
             "help": "Keep the pairs of one prompt in the same micro-batch, so prefix sharing computes their prompt "
             "once: the stock sampler's random order (the same random draws), with each prompt's pairs moved up to "
-            "where its first pair falls. Changes which pairs share a micro-batch, not which pairs an epoch sees."
+            "where its first pair falls. Changes which pairs share a micro-batch, not which pairs an epoch sees. With "
+            "packing, a prompt's pairs are packed as one unit."
         },
     )
 
     def _check_prefix_sharing_arguments(self) -> None:
         super()._check_prefix_sharing_arguments()
-        if self.group_by_prompt and self.packing:
-            raise ValueError(
-                "`group_by_prompt=True` orders the stock sampler's examples; with `packing=True` the multipack "
-                "sampler chooses the batches. Use one of them."
-            )
         if (self.prefix_sharing or self.packing) and getattr(self, "padding_free", False):
             raise ValueError(
                 "`prefix_sharing`/`packing` cannot be combined with `padding_free=True`: both rewrite the batch "

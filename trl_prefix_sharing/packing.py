@@ -40,10 +40,18 @@ _RUNNING_TOTALS = {"num_tokens", "num_shared_tokens"}
 
 class TrainerMultipackSampler(MultipackSampler, BatchRebalanceSampler):
     """A `MultipackSampler` the Trainer passes as `batch_sampler` and does not re-shard (it is already rank-aware):
-    transformers' `_get_dataloader` does exactly this for `BatchRebalanceSampler` instances."""
+    transformers' `_get_dataloader` does exactly this for `BatchRebalanceSampler` instances.
 
-    def __init__(self, *args, **kwargs):
+    ``members``: the dataset indices of each packed unit when a unit is several examples (a prompt's pairs, under
+    `group_by_prompt`); the lengths are then the units', and each batch yields their examples."""
+
+    def __init__(self, *args, members: list[list[int]] | None = None, **kwargs):
         MultipackSampler.__init__(self, *args, **kwargs)
+        self.members = members
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            yield batch if self.members is None else [index for unit in batch for index in self.members[unit]]
 
 
 class PromptGroupSampler(torch.utils.data.Sampler):
@@ -131,11 +139,24 @@ class PackingMixin:
             # rows of `packing_length` as it needs (first-fit decreasing); a map-style batch still takes one
             collator.packing_row_length = collator.packing_length
 
-    def _unit_lengths(self, dataset) -> list[int]:
-        key = getattr(dataset, "_fingerprint", None) or id(dataset)
+    def _unit_lengths(self, dataset, grouped: bool = False) -> list[int]:
+        """Each example's packing unit; ``grouped``: each prompt group's (`group_by_prompt`), in `_groups` order."""
+        key = (getattr(dataset, "_fingerprint", None) or id(dataset), grouped)
         if key not in self._unit_lengths_cache:
-            self._unit_lengths_cache[key] = unit_lengths(dataset, self.data_collator)
+            groups = self._groups(dataset) if grouped else None
+            self._unit_lengths_cache[key] = unit_lengths(dataset, self.data_collator, groups=groups)
         return self._unit_lengths_cache[key]
+
+    def _groups(self, dataset) -> list[list[int]]:
+        """The dataset indices of each prompt (`group_by_prompt`), in order of first appearance."""
+        members: dict[int, list[int]] = {}
+        for index, group in enumerate(prompt_groups(dataset)):
+            members.setdefault(group, []).append(index)
+        return list(members.values())
+
+    @property
+    def _group_by_prompt(self) -> bool:
+        return bool(getattr(self.args, "group_by_prompt", False))
 
     def _datasets(self) -> list:
         """The train and eval datasets."""
@@ -157,7 +178,8 @@ class PackingMixin:
         longest = 1
         for dataset in self._datasets():
             if isinstance(dataset, Dataset):
-                longest = max([longest, *self._unit_lengths(dataset)])
+                grouped = self._group_by_prompt and dataset is self.train_dataset
+                longest = max([longest, *self._unit_lengths(dataset, grouped)])
                 continue
             if self.args.max_length is None:
                 raise ValueError(
@@ -175,8 +197,19 @@ class PackingMixin:
         return -(-self.args.per_device_train_batch_size * self._longest_unit() // 128) * 128
 
     # ----------------------------------------------------------------------------------------------- batches
-    def _multipack_sampler(self, dataset, shuffle: bool) -> TrainerMultipackSampler:
+    def _multipack_sampler(self, dataset, shuffle: bool, grouped: bool = False) -> TrainerMultipackSampler:
         self._setup_prefix_sharing()
+        if grouped:  # the packing unit is a prompt's trie: its examples together
+            return TrainerMultipackSampler(
+                self._unit_lengths(dataset, grouped=True),
+                self.data_collator.packing_length,
+                num_replicas=self.args.world_size,
+                rank=self.args.process_index,
+                seed=self.args.seed,
+                drop_last=self.args.dataloader_drop_last,
+                shuffle=shuffle,
+                members=self._groups(dataset),
+            )
         return TrainerMultipackSampler(
             self._unit_lengths(dataset),
             self.data_collator.packing_length,
@@ -190,7 +223,7 @@ class PackingMixin:
     def _get_train_sampler(self, train_dataset=None):
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         if self.packing and isinstance(dataset, Dataset):
-            return self._multipack_sampler(dataset, shuffle=True)
+            return self._multipack_sampler(dataset, shuffle=True, grouped=self._group_by_prompt)
         sampler = super()._get_train_sampler(train_dataset)
         if getattr(self.args, "group_by_prompt", False) and sampler is not None:
             if not isinstance(dataset, Dataset):
