@@ -1,8 +1,8 @@
 """Stock TRL vs prefix sharing for the online trainers (GRPO, online DPO): training-step time, its share of the ideal,
 activation memory.
 
-    python scripts/benchmark_online.py --trainer grpo --out docs/benchmarks         # CPU, ~10 minutes on 2 cores
-    python scripts/benchmark_online.py --trainer online_dpo --out docs/benchmarks   # G = 2, ~5 minutes
+    python scripts/benchmark_online.py --trainer grpo --out docs/benchmarks         # CPU, ~3 minutes on 2 idle cores
+    python scripts/benchmark_online.py --trainer online_dpo --out docs/benchmarks   # G = 2, under a minute
 
 For each profile (median prompt and completion lengths with prompt/completion ratios of about 0.3, 1, 4 and 16) and
 group size G, prompts and their G completions get lognormal lengths around the medians, and a generation batch is built
@@ -12,10 +12,18 @@ advantages, `num_items_in_batch`). The same micro-batches go through both traine
 TRL's `_forward` of the policy with backward, and of the reference). Timed repeats
 of the variants are interleaved (rotating order) and the median taken: ratios from one run, since the machine is
 noisy. Generation (the model's own `generate` of the same lengths, which prefix sharing does not change) is timed once
-per profile to report the speedup with generation included. The ideal is the ratio of positions the model runs,
-stock / shared, measured on the batches: `G(P+C) / (P+GC)` for equal lengths (online DPO: stock's scored positions,
-its completions' trailing padding included, which the shared layout scores too). Activation memory: bytes autograd
-saves for backward in one step. Writes `<trainer>_<mode>.md` and `.json`.
+per profile to report the speedup with generation included.
+
+Positions are counted per micro-batch as the step runs it (online DPO: after TRL's left truncation to `max_length`):
+stock's padded rows (rows x width) and its real tokens (online DPO: the positions stock scores, its completions'
+trailing padding included, which the shared layout scores too), the shared rows (rows x width) and their real tokens.
+*Padding* = stock padded / stock real: what removing stock's padding alone would save. *Sharing ideal* = stock real /
+shared real: what computing each prompt once saves, `G(P+C) / (P+GC)` for equal lengths. *Ideal* = stock padded /
+shared padded: the positions the two forwards run, padding and sharing together; the *share of ideal* is the step
+speedup over it. *Dense attention* = stock / shared attention scores of a dense mask (rows x width^2 per layer and
+head, what SDPA computes on CPU): lower than the ideal where the shared rows are longer than stock's
+(completion-heavy groups). Activation memory: bytes autograd saves for backward in one step. Writes
+`<trainer>_<mode>.md` and `.json`.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ STEPS = {
     "grpo": "TRL's `compute_loss` + backward (plus the reference pass when beta > 0)",
     "online_dpo": "TRL's `_forward` of the policy + backward, and of the reference (no grad)",
 }
+DPO_REAL = " (real: what stock scores, its completions' trailing padding included, which the shared layout scores too)"
 # median (prompt, completion) tokens: reasoning (long answers), chat, QA, long-context QA
 PROFILES = {"math-reasoning": (128, 384), "chat": (256, 256), "qa": (1024, 256), "long-context-qa": (2048, 128)}
 
@@ -162,6 +171,9 @@ def training_step(trainer, batches, cuda, args):
 
     step = online_dpo_step if args.trainer == "online_dpo" else grpo_step
     saved = 0
+    # fresh tensors, as a new generation batch is in training: the trainer keeps a layout while the tensors it was
+    # built from live, so repeats over the same tensors would skip building it
+    batches = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()} for batch in batches]
     if cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -203,9 +215,53 @@ def generation_time(model, batch, cuda):
     return time.perf_counter() - start
 
 
-def run(profile, g, model, tokenizer, args, tmp):
+def positions(batches, trainer, args):
+    """Positions the two training steps run, summed over the micro-batches: stock's padded rows (rows x width) and its
+    real tokens, the shared rows (rows x width, as the sharing trainer lays them out) and their real tokens."""
     import torch
 
+    from trl_prefix_sharing.layout import shared_group_layout
+
+    online_dpo = args.trainer == "online_dpo"
+    counts = dict.fromkeys(
+        (
+            "stock_padded_positions",
+            "stock_positions",
+            "shared_padded_positions",
+            "shared_positions",
+            "stock_attention_scores",
+            "shared_attention_scores",
+        ),
+        0,
+    )
+    for b in batches:
+        prompt_ids, prompt_mask = b["prompt_ids"], b["prompt_mask"]
+        if online_dpo:  # TRL's left truncation to `max_length`, in both variants' `_forward`
+            cut = max(prompt_ids.shape[1] + b["completion_ids"].shape[1] - trainer.max_length, 0)
+            prompt_ids, prompt_mask = prompt_ids[:, cut:], prompt_mask[:, cut:]
+        ids = torch.cat([prompt_ids, b["completion_ids"]], dim=1)
+        mask = torch.cat([prompt_mask, b["completion_mask"]], dim=1)
+        # online DPO: stock scores each row from its first token to its end (trailing padding too)
+        real = mask.cumsum(dim=1) > 0 if online_dpo else mask.bool()
+        layout = shared_group_layout(
+            ids,
+            mask,
+            prompt_ids.shape[1],
+            0,
+            pad_to_multiple_of=trainer.sharing.row_multiple,
+            score_padding=online_dpo,
+        )
+        counts["stock_padded_positions"] += ids.numel()
+        counts["stock_positions"] += int(real.sum())
+        counts["shared_padded_positions"] += layout["input_ids"].numel()
+        counts["shared_positions"] += int((layout["document_ids"] >= 0).sum())  # online DPO: stock's padding too
+        # scores of a dense mask, per layer and head: rows x width^2 (SDPA with a mask on CPU computes them all)
+        counts["stock_attention_scores"] += ids.shape[0] * ids.shape[1] ** 2
+        counts["shared_attention_scores"] += layout["input_ids"].shape[0] * layout["input_ids"].shape[1] ** 2
+    return counts
+
+
+def run(profile, g, model, tokenizer, args, tmp):
     args.num_generations, args.rows = g, args.groups_per_step * g
     cuda = args.mode == "gpu"
     device = "cuda" if cuda else "cpu"
@@ -228,23 +284,10 @@ def run(profile, g, model, tokenizer, args, tmp):
     for repeat in range(args.repeats):
         for variant in order[repeat % 2 :] + order[: repeat % 2]:
             times[variant].append(training_step(trainers[variant], batches, cuda, args)[0])
-    stock_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    if args.trainer == "online_dpo":  # stock scores each row from its first token to its end (trailing padding too)
-        stock_mask = stock_mask.cumsum(dim=1) > 0
-    stock_positions = int(stock_mask.sum())
-    from trl_prefix_sharing.layout import shared_group_layout
-
-    shared_positions = 0
-    for b in batches:
-        ids = torch.cat([b["prompt_ids"], b["completion_ids"]], dim=1)
-        mask = torch.cat([b["prompt_mask"], b["completion_mask"]], dim=1)
-        layout = shared_group_layout(
-            ids, mask, b["prompt_ids"].shape[1], 0, score_padding=args.trainer == "online_dpo"
-        )
-        shared_positions += int((layout["document_ids"] >= 0).sum())  # online DPO also scores stock's padding
+    counts = positions(batches, trainers["sharing"], args)
     step = {variant: statistics.median(t) for variant, t in times.items()}
     generate = generation_time(copy.deepcopy(model), batch, cuda)
-    ideal = stock_positions / shared_positions
+    ideal = counts["stock_padded_positions"] / counts["shared_padded_positions"]
     speedup = step["stock"] / step["sharing"]
     prompt_tokens = int(batch["prompt_mask"].sum()) / batch["prompt_mask"].shape[0]
     completion_tokens = int(batch["completion_mask"].sum()) / batch["completion_mask"].shape[0]
@@ -254,13 +297,15 @@ def run(profile, g, model, tokenizer, args, tmp):
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "p_over_c": prompt_tokens / completion_tokens,
-        "stock_positions": stock_positions,
-        "shared_positions": shared_positions,
-        "ideal": ideal,
+        **counts,
+        "padding": counts["stock_padded_positions"] / counts["stock_positions"],
+        "sharing_ideal": counts["stock_positions"] / counts["shared_positions"],
+        "total_ideal": ideal,
+        "dense_attention_ratio": counts["stock_attention_scores"] / counts["shared_attention_scores"],
         "step_s": step,
         "step_times_s": times,
         "speedup": speedup,
-        "share_of_ideal": speedup / ideal,
+        "share_of_total_ideal": speedup / ideal,
         "generation_s": generate,
         "speedup_with_generation": (generate + step["stock"]) / (generate + step["sharing"]),
         "activation_bytes": activations,
@@ -298,18 +343,26 @@ def write(results, args, device, command):
         f"generations per micro-batch, {args.micro_batches} micro-batches per step; beta={args.beta}; median of "
         f"{args.repeats} interleaved repeats).",
         "",
-        f"Training step = {STEPS[args.trainer]}, over every micro-batch of one generation batch. *Ideal* = stock "
-        "positions / shared positions on these batches, "
-        "`G(P+C)/(P+GC)` for equal lengths. Generation (the same in both) is timed once with the model's `generate`.",
+        f"Training step = {STEPS[args.trainer]}, over every micro-batch of one generation batch. Positions are "
+        "counted per micro-batch as the step runs it: stock's rows are padded (left-padded prompts, right-padded "
+        "completions, rows x width), the shared rows too (rows x width). *Padding* = stock padded / stock real "
+        f"positions{DPO_REAL if args.trainer == 'online_dpo' else ''}: what removing stock's padding alone would "
+        "save. *Sharing ideal* = stock real / shared real positions: what computing each prompt once saves, "
+        "`G(P+C)/(P+GC)` for equal lengths. *Ideal* = stock padded / shared padded positions: what the two padded "
+        "forwards run, padding and sharing together; *share of ideal* = step speedup / ideal. *Dense attention* = "
+        "stock / shared attention scores of a dense mask (rows x width² per layer and head; SDPA on CPU computes them "
+        "all), which the positions leave out: lower than the ideal where the shared rows are longer than stock's "
+        "(completion-heavy groups). Generation (the same in both) is timed once with the model's `generate`.",
         "",
-        "| profile | G | prompt | completion | p/c | ideal | step speedup | share of ideal | with generation | "
-        "activation memory, sharing / stock |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| profile | G | prompt | completion | p/c | padding | sharing ideal | ideal | dense attention | step speedup "
+        "| share of ideal | with generation | activation memory, sharing / stock |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r['profile']} | {r['G']} | {r['prompt_tokens']:.0f} | {r['completion_tokens']:.0f} | "
-            f"{r['p_over_c']:.2f} | {r['ideal']:.2f}x | {r['speedup']:.2f}x | {r['share_of_ideal']:.2f} | "
+            f"{r['p_over_c']:.2f} | {r['padding']:.2f}x | {r['sharing_ideal']:.2f}x | {r['total_ideal']:.2f}x | "
+            f"{r['dense_attention_ratio']:.2f}x | {r['speedup']:.2f}x | {r['share_of_total_ideal']:.2f} | "
             f"{r['speedup_with_generation']:.2f}x | {r['activation_ratio']:.2f} |"
         )
     with open(os.path.join(args.out, f"{name}.md"), "w") as f:
@@ -347,8 +400,9 @@ def main():
             for g in map(int, args.generations.split(",")):
                 result = run(profile, g, model, tokenizer, args, tmp)
                 print(
-                    f"{profile} G={g}: ideal {result['ideal']:.2f}x, step {result['speedup']:.2f}x "
-                    f"({result['share_of_ideal']:.2f} of ideal), activations x{result['activation_ratio']:.2f}",
+                    f"{profile} G={g}: padding {result['padding']:.2f}x, sharing {result['sharing_ideal']:.2f}x, "
+                    f"ideal {result['total_ideal']:.2f}x, step {result['speedup']:.2f}x "
+                    f"({result['share_of_total_ideal']:.2f} of ideal), activations x{result['activation_ratio']:.2f}",
                     flush=True,
                 )
                 results.append(result)

@@ -592,9 +592,7 @@ def bench_grpo(profile, model, tokenizer, settings, clock, tmp, g=8) -> dict:
     """Stock vs sharing on one TRL-shaped GRPO generation batch (scripts/benchmark_online.py's pieces): a warm-up step
     each, then `repeats` interleaved timed steps; host time of the group layout and the mask, peak memory."""
     import torch
-    from benchmark_online import PROFILES, generation_batch, make_trainer, micro_batches, training_step
-
-    from trl_prefix_sharing.layout import shared_group_layout
+    from benchmark_online import PROFILES, generation_batch, make_trainer, micro_batches, positions, training_step
 
     cuda = settings.mode == "gpu"
     args = SimpleNamespace(
@@ -648,22 +646,18 @@ def bench_grpo(profile, model, tokenizer, settings, clock, tmp, g=8) -> dict:
                     peaks[variant] = max(peaks.get(variant, 0), torch.cuda.max_memory_allocated() / 2**30)
                 mask_gpu = clock.mask_gpu_s()
                 host.setdefault(variant, []).append((clock.layout_s, clock.mask_s, mask_gpu))
-    stock_positions = int(torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1).sum())
-    shared_positions = 0
-    for b in batches:
-        ids = torch.cat([b["prompt_ids"], b["completion_ids"]], dim=1)
-        mask = torch.cat([b["prompt_mask"], b["completion_mask"]], dim=1)
-        layout = shared_group_layout(ids, mask, b["prompt_ids"].shape[1], 0)
-        shared_positions += int((layout["document_ids"] >= 0).sum())
+    counts = positions(batches, trainers["sharing"], args)  # stock's padding apart from what sharing saves
     step = {variant: statistics.median(t) for variant, t in times.items()}
     sharing_host = host["sharing"]
     result.update(
         {
             "prompt_tokens": int(batch["prompt_mask"].sum()) / batch["prompt_mask"].shape[0],
             "completion_tokens": int(batch["completion_mask"].sum()) / batch["completion_mask"].shape[0],
-            "stock_positions": stock_positions,
-            "shared_positions": shared_positions,
-            "ideal": stock_positions / shared_positions,
+            **counts,
+            "padding": counts["stock_padded_positions"] / counts["stock_positions"],
+            "sharing_ideal": counts["stock_positions"] / counts["shared_positions"],
+            # positions the two padded forwards run: stock's padding and what sharing saves, together
+            "ideal": counts["stock_padded_positions"] / counts["shared_padded_positions"],
             "step_s": step,
             "step_times_s": times,
             "speedup": step["stock"] / step["sharing"],
@@ -931,15 +925,16 @@ def render_md(data) -> str:
         lines += [
             f"## {name}: GRPO (G = 8, 2 prompts x G per micro-batch, 2 micro-batches per step)",
             "",
-            "| profile | prompt | completion | ideal | step speedup | step s (stock / sharing) | peak memory GB "
-            "(stock / sharing) | activation memory, sharing / stock | layout / mask host ms, mask GPU ms per "
-            "step |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| profile | prompt | completion | padding | sharing ideal | ideal | step speedup | step s (stock / "
+            "sharing) | peak memory GB (stock / sharing) | activation memory, sharing / stock | layout / mask host "
+            "ms, mask GPU ms per step |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for profile, r in profiles.items():
             peak = r["peak_memory_gb"] or {}
             lines.append(
-                f"| {profile} | {r['prompt_tokens']:.0f} | {r['completion_tokens']:.0f} | {r['ideal']:.2f}x | "
+                f"| {profile} | {r['prompt_tokens']:.0f} | {r['completion_tokens']:.0f} | {r['padding']:.2f}x | "
+                f"{r['sharing_ideal']:.2f}x | {r['ideal']:.2f}x | "
                 f"{r['speedup']:.2f}x | {r['step_s']['stock']:.3f} / {r['step_s']['sharing']:.3f} | "
                 f"{_fmt(peak.get('stock'), '.2f')} / {_fmt(peak.get('sharing'), '.2f')} | "
                 f"{r['activation_ratio']:.2f} | {r['layout_host_ms_per_step']:.2f} / {r['mask_host_ms_per_step']:.2f},"
