@@ -232,3 +232,35 @@ def test_unsupported_model_is_refused_before_training(tmp_path, tokenizer):
             train_dataset=prompt_dataset(),
             processing_class=tokenizer,
         )
+
+
+def test_one_layout_per_set_of_rows(tmp_path, tokenizer, model_dirs, monkeypatch):
+    """The old-policy and reference passes over a generation batch share a layout, and the training passes over a
+    micro-batch (num_iterations=2) share one; fresh or modified tensors get a new one."""
+    import trl_prefix_sharing.group_sharing as group_module
+    import trl_prefix_sharing.sharing as sharing_module
+
+    builds, calls = [], []
+    real_layout, real_call = sharing_module.shared_group_layout, group_module._SharedRowsModel.__call__
+    monkeypatch.setattr(
+        sharing_module, "shared_group_layout", lambda *a, **k: builds.append(1) or real_layout(*a, **k)
+    )
+    monkeypatch.setattr(
+        group_module._SharedRowsModel, "__call__", lambda self, **k: calls.append(1) or real_call(self, **k)
+    )
+    shared = make_group_trainer(
+        "grpo", True, model_dirs["qwen3"], prompt_dataset(), tokenizer, tmp_path, beta=0.1, num_iterations=2
+    )
+    train(shared)
+    # two steps, one generation batch: the old-policy and reference passes (one layout), then the training pass of
+    # each iteration over the same micro-batch (one layout)
+    assert (len(calls), len(builds)) == (4, 2)
+
+    cache = sharing_module._LayoutCache()
+    ids = torch.arange(12).view(3, 4)
+    cache.put((ids[:2],), "k", {"built": 1})
+    assert cache.get((ids[:2],), "k") == {"built": 1}  # another view of the same rows
+    assert cache.get((ids[1:],), "k") is None  # other rows
+    assert cache.get((ids[:2].clone(),), "k") is None  # fresh tensors
+    ids[0, 0] = 5
+    assert cache.get((ids[:2],), "k") is None  # modified in place
