@@ -198,26 +198,17 @@ class PackingMixin:
 
     # ----------------------------------------------------------------------------------------------- batches
     def _multipack_sampler(self, dataset, shuffle: bool, grouped: bool = False) -> TrainerMultipackSampler:
+        """``grouped``: the packing unit is a prompt's examples together (their trie), not one example."""
         self._setup_prefix_sharing()
-        if grouped:  # the packing unit is a prompt's trie: its examples together
-            return TrainerMultipackSampler(
-                self._unit_lengths(dataset, grouped=True),
-                self.data_collator.packing_length,
-                num_replicas=self.args.world_size,
-                rank=self.args.process_index,
-                seed=self.args.seed,
-                drop_last=self.args.dataloader_drop_last,
-                shuffle=shuffle,
-                members=self._groups(dataset),
-            )
         return TrainerMultipackSampler(
-            self._unit_lengths(dataset),
+            self._unit_lengths(dataset, grouped=grouped),
             self.data_collator.packing_length,
             num_replicas=self.args.world_size,
             rank=self.args.process_index,
             seed=self.args.seed,
             drop_last=self.args.dataloader_drop_last,
             shuffle=shuffle,
+            members=self._groups(dataset) if grouped else None,
         )
 
     def _get_train_sampler(self, train_dataset=None):
@@ -225,7 +216,7 @@ class PackingMixin:
         if self.packing and isinstance(dataset, Dataset):
             return self._multipack_sampler(dataset, shuffle=True, grouped=self._group_by_prompt)
         sampler = super()._get_train_sampler(train_dataset)
-        if getattr(self.args, "group_by_prompt", False) and sampler is not None:
+        if self._group_by_prompt and sampler is not None:
             if not isinstance(dataset, Dataset):
                 raise ValueError(
                     "`group_by_prompt=True` needs a map-style dataset (a stream has no prompts to group)."
