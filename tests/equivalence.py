@@ -17,22 +17,27 @@ from trl_prefix_sharing.testing import make_model
 _counter = itertools.count()
 
 
+def _common_args(tmp_path, overrides) -> dict:
+    """The fields stock and ours share in these tests (CPU, fp32, log every step), then `overrides`."""
+    return {
+        "output_dir": str(tmp_path / f"run{next(_counter)}"),
+        "per_device_train_batch_size": 4,
+        "per_device_eval_batch_size": 4,
+        "bf16": False,
+        "use_cpu": True,
+        "report_to": "none",
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "max_length": None,
+        "seed": 0,
+        **overrides,
+    }
+
+
 def dpo_args(tmp_path, ours: bool | dict | None, **overrides):
     """`ours=None` -> TRL's own `DPOConfig` (stock); a bool -> ours with that `prefix_sharing`; a dict -> ours with
     those fields (`prefix_sharing`, `packing`, ...)."""
-    kwargs = dict(
-        output_dir=str(tmp_path / f"run{next(_counter)}"),
-        per_device_train_batch_size=4,
-        per_device_eval_batch_size=4,
-        bf16=False,
-        use_cpu=True,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        max_length=None,
-        seed=0,
-    )
-    kwargs.update(overrides)
+    kwargs = _common_args(tmp_path, overrides)
     if ours is None:
         return trl.DPOConfig(**kwargs)
     if isinstance(ours, bool):
@@ -195,19 +200,7 @@ def make_reward_model(family, tokenizer, seed=0, **config_kwargs):
 def reward_args(tmp_path, ours: dict | None, **overrides):
     from trl_prefix_sharing import RewardConfig
 
-    kwargs = dict(
-        output_dir=str(tmp_path / f"run{next(_counter)}"),
-        per_device_train_batch_size=4,
-        per_device_eval_batch_size=4,
-        bf16=False,
-        use_cpu=True,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        max_length=None,
-        seed=0,
-    )
-    kwargs.update(overrides)
+    kwargs = _common_args(tmp_path, overrides)
     return trl.RewardConfig(**kwargs) if ours is None else RewardConfig(**ours, **kwargs)
 
 

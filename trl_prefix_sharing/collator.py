@@ -84,14 +84,14 @@ class PrefixSharingCollator:
             ids[rows] = example
         return ids.to(batch["input_ids"].device)
 
-    def plan(self, batch, units: torch.Tensor | None = None) -> LayoutPlan:
-        """The trie of this batch's rows (see :func:`~trl_prefix_sharing.layout.plan_layout`); with ``units`` (the
-        packing unit of each example), each unit's rows alone."""
-        completion_mask = batch.get("completion_mask")
-        examples = self.example_ids(batch)
+    def plan(self, batch) -> LayoutPlan:
+        """The trie of this batch's rows (see :func:`~trl_prefix_sharing.layout.plan_layout`)."""
         across = self.across_examples and not has_vision_inputs(batch)
-        if units is not None:
-            examples, across = units.to(examples.device)[examples], False
+        return self._plan(batch, self.example_ids(batch), across)
+
+    def _plan(self, batch, examples: torch.Tensor, across: bool) -> LayoutPlan:
+        """The trie of this batch's rows, ``examples`` being the example (or packing unit) of each row."""
+        completion_mask = batch.get("completion_mask")
         return plan_layout(
             batch["input_ids"],
             batch["attention_mask"],
@@ -136,14 +136,14 @@ class PrefixSharingCollator:
     def unit_lengths(self, batch, units: torch.Tensor | None = None) -> list[int]:
         """Tokens each packing unit of ``batch`` occupies in a packed row: each example alone (its trie, or its
         unshared rows), or with ``units`` (the unit of each example) the trie of each unit's examples together."""
-        size = len(self.example_groups(batch))
-        if units is None:
-            units = torch.arange(size)
-        unit_ids = units.to(batch["input_ids"].device)[self.example_ids(batch)]
-        return self.plan(batch, units).tokens_per(unit_ids, int(units.max()) + 1).tolist()
+        unit_ids = self.example_ids(batch)
+        if units is not None:
+            unit_ids = units.to(unit_ids.device)[unit_ids]
+        return self._plan(batch, unit_ids, across=False).tokens_per(unit_ids, int(unit_ids.max()) + 1).tolist()
 
     def unpacked(self) -> PrefixSharingCollator:
-        """This collator with one document per row (used to measure each example's packing unit)."""
+        """This collator with one document per row (fixed-size batches, e.g. TRL's precomputation of the reference
+        log-probs under packing)."""
         clone = copy.copy(self)
         clone.packing_length = None
         clone.packing_row_length = None

@@ -133,6 +133,11 @@ def _sort_rows(keys: torch.Tensor, common: torch.Tensor) -> torch.Tensor:
     return order
 
 
+def _previous(values: torch.Tensor) -> torch.Tensor:
+    """Each sorted row's value for the row before it (the first row: its own)."""
+    return torch.cat([values[:1], values[:-1]])
+
+
 def prompt_lengths_from_completion_mask(attention_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
     """The prompt of each row: its tokens before its first completion token."""
     before = completion_mask.cumsum(dim=1) == 0
@@ -181,7 +186,7 @@ def plan_layout(
     lead = 0
     examples = examples.to(device) if examples is not None else None
     if examples is not None and (not across_examples or not share):
-        keys = torch.cat([examples.to(device).view(-1, 1), keys], dim=1)  # rows of different examples never meet
+        keys = torch.cat([examples.view(-1, 1), keys], dim=1)  # rows of different examples never meet
         lead = 1
     common = pairwise_common_prefix(keys)
     order = _sort_rows(keys, common) if num_rows else torch.zeros(0, dtype=torch.long, device=device)
@@ -199,18 +204,16 @@ def plan_layout(
         prompt_lengths = torch.ones(num_rows, dtype=torch.long, device=device)
 
     s_starts, s_lengths, s_real = starts[order], lengths[order], real[order]
-    previous = torch.cat([order[:1], order[:-1]])
     # tokens each sorted row shares with the one before it (the most any earlier row shares with it)
-    prev_lengths = torch.cat([s_lengths[:1], s_lengths[:-1]])
-    shared = (common[order, previous] - lead - s_starts).clamp(min=0)
+    prev_lengths = _previous(s_lengths)
+    shared = (common[order, _previous(order)] - lead - s_starts).clamp(min=0)
     shared = torch.minimum(shared, torch.minimum(s_lengths, prev_lengths))
     s_prompts = prompt_lengths.to(device)[order]
-    prev_prompts = torch.cat([s_prompts[:1], s_prompts[:-1]])
     if share:
-        joins = shared >= torch.minimum(s_prompts, prev_prompts).clamp(min=1)
+        joins = shared >= torch.minimum(s_prompts, _previous(s_prompts)).clamp(min=1)
         if lead:  # within examples only (sorted by example first): an example's rows are one document, as in stock's
             s_examples = examples[order]  # pairing, even when they share nothing
-            joins |= s_examples == torch.cat([s_examples[:1], s_examples[:-1]])
+            joins |= s_examples == _previous(s_examples)
     else:
         joins = (shared == s_lengths) & (s_lengths == prev_lengths)  # identical rows (of one example)
     joins &= index > 0

@@ -148,11 +148,14 @@ class PackingMixin:
         return self._unit_lengths_cache[key]
 
     def _groups(self, dataset) -> list[list[int]]:
-        """The dataset indices of each prompt (`group_by_prompt`), in order of first appearance."""
-        members: dict[int, list[int]] = {}
-        for index, group in enumerate(prompt_groups(dataset)):
-            members.setdefault(group, []).append(index)
-        return list(members.values())
+        """The dataset indices of each prompt (`group_by_prompt`), in order of first appearance; read once."""
+        key = (getattr(dataset, "_fingerprint", None) or id(dataset), "groups")
+        if key not in self._unit_lengths_cache:
+            members: dict[int, list[int]] = {}
+            for index, group in enumerate(prompt_groups(dataset)):
+                members.setdefault(group, []).append(index)
+            self._unit_lengths_cache[key] = list(members.values())
+        return self._unit_lengths_cache[key]
 
     @property
     def _group_by_prompt(self) -> bool:

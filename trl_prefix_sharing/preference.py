@@ -51,7 +51,7 @@ class PreferenceSharingMixin(PackingMixin, PrefixSharingMixin):
 
     def train(self, *args, **kwargs):
         if self.prefix_sharing and self.sharing_stats is None and isinstance(self.train_dataset, Dataset):
-            self.sharing_stats = sharing_stats(self.train_dataset, self.data_collator.unpacked())
+            self.sharing_stats = sharing_stats(self.train_dataset, self.data_collator)
             if self.args.should_log:
                 logger.warning(self.sharing_stats.summary())
         return super().train(*args, **kwargs)

@@ -178,11 +178,15 @@ class PrefixSharing:
         if layout is None:
             raise RuntimeError("Prefix sharing is on but the batch has no layout: was the data collator replaced?")
         if "attention_mask" not in layout:
-            layout["attention_mask"] = build_attention_mask(layout, self.attn_implementation, self.models[0].config)
-            layout["check"] = self._checks_on(layout["input_ids"])
+            self._add_mask(layout, self._checks_on(layout["input_ids"]))
         if "vision" not in layout and has_vision_inputs(inputs):  # images once per pair, M-RoPE positions
             layout["vision"] = shared_vision_inputs(self.models[0], inputs, layout)
         return layout
+
+    def _add_mask(self, layout: dict, check: bool) -> None:
+        """The layout's attention mask (for this trainer's kernel), and whether its forward checks it."""
+        layout["attention_mask"] = build_attention_mask(layout, self.attn_implementation, self.models[0].config)
+        layout["check"] = check
 
     def _checks_on(self, tensor: torch.Tensor) -> bool:
         return self.checks if self.checks is not None else tensor.device.type == "cpu"
@@ -215,8 +219,7 @@ class PrefixSharing:
                 score_padding=score_padding,
                 check=check,
             )
-            layout["attention_mask"] = build_attention_mask(layout, self.attn_implementation, self.models[0].config)
-            layout["check"] = check
+            self._add_mask(layout, check)
             self._layouts.put(source, key, layout)
         return layout
 

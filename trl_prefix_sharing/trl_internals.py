@@ -46,6 +46,20 @@ _ONLINE_DPO = "trl.experimental.online_dpo.online_dpo_trainer:OnlineDPOTrainer"
 _TRAINER = "transformers.trainer:Trainer"
 _LOGPS = ("self", "model", "input_ids", "attention_mask", "logits_to_keep")
 
+
+def _group_trainer_internals(owner: str) -> tuple[Internal, ...]:
+    """What `group_sharing.GroupSharingTrainerMixin` uses of TRL's GRPO or RLOO trainer class (``module:Class``)."""
+    module = owner.partition(":")[0]
+    return (
+        Internal(owner, "_get_per_token_logps_and_entropies", "override", _LOGPS),
+        Internal(owner, "_prepare_inputs", "override", ("self", "generation_batch")),
+        Internal(owner, "compute_loss", "override", ("self", "model", "inputs")),
+        Internal(owner, "log", "override", ("self", "logs", "start_time")),
+        Internal(module, "shuffle_sequence_dict", "replace", ("seq_dict",)),
+        Internal(owner, "_metrics", "write", attribute=True),
+    )
+
+
 #: trainer -> the internals its module depends on ("common": every trainer module)
 INTERNALS: dict[str, tuple[Internal, ...]] = {
     "common": (
@@ -77,22 +91,8 @@ INTERNALS: dict[str, tuple[Internal, ...]] = {
         Internal(_TRAINER, "gather_function", "write", attribute=True),
         Internal(_TRAINER, "current_gradient_accumulation_steps", "read", attribute=True),
     ),
-    "grpo": (
-        Internal(_GRPO, "_get_per_token_logps_and_entropies", "override", _LOGPS),
-        Internal(_GRPO, "_prepare_inputs", "override", ("self", "generation_batch")),
-        Internal(_GRPO, "compute_loss", "override", ("self", "model", "inputs")),
-        Internal(_GRPO, "log", "override", ("self", "logs", "start_time")),
-        Internal("trl.trainer.grpo_trainer", "shuffle_sequence_dict", "replace", ("seq_dict",)),
-        Internal(_GRPO, "_metrics", "write", attribute=True),
-    ),
-    "rloo": (
-        Internal(_RLOO, "_get_per_token_logps_and_entropies", "override", _LOGPS),
-        Internal(_RLOO, "_prepare_inputs", "override", ("self", "generation_batch")),
-        Internal(_RLOO, "compute_loss", "override", ("self", "model", "inputs")),
-        Internal(_RLOO, "log", "override", ("self", "logs", "start_time")),
-        Internal("trl.trainer.rloo_trainer", "shuffle_sequence_dict", "replace", ("seq_dict",)),
-        Internal(_RLOO, "_metrics", "write", attribute=True),
-    ),
+    "grpo": _group_trainer_internals(_GRPO),
+    "rloo": _group_trainer_internals(_RLOO),
     "online_dpo": (
         Internal(
             _ONLINE_DPO,
