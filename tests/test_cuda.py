@@ -1,14 +1,15 @@
 """CUDA only (skipped elsewhere): the path CUDA users take, `prefix_sharing_attn_implementation="auto"` = compiled
 `create_block_mask` + transformers' compiled `flex_attention`, trains to stock TRL's numbers (FlexAttention has no
 backward on CPU, so this is where its gradients are checked), compiles a bounded number of times and never runs
-FlexAttention uncompiled. 40 tests; run them with `python scripts/gpu_check.py --part tests --out DIR`, which also
+FlexAttention uncompiled. 45 tests; run them with `python scripts/gpu_check.py --part tests --out DIR`, which also
 collects the compile counts and the long-row peak memory they record. Commands and results:
 docs/benchmarks/gpu_tests.md.
 
 - the matrix: the four families x {sharing, sharing + packing} x {DPO, reward, ranked reward}, fp32 (TF32 off), equal
   to stock at the CPU tests' tolerance (1e-5), gradient checkpointing on (TRL's default, switched on as `train()`
   does);
-- bf16 within README "Precision"'s tolerance; sliding-window models; LoRA; GRPO and online DPO passes;
+- bf16 within README "Precision"'s tolerance; every trainer's policy and reference passes under `bf16=True` in
+  stock's dtype; sliding-window models; LoRA; GRPO and online DPO passes;
 - compile stability over 39 training and evaluation steps of varying lengths; peak memory of a long-row step.
 
 The tiny models get a head size of 16 (`CUDA_SIZES`): CUDA FlexAttention refuses head sizes under 16 ("NYI: embedding
@@ -27,6 +28,8 @@ from equivalence import (
     reward_step,
     step,
 )
+from test_mixed_precision import TRAINERS as MIXED_PRECISION_TRAINERS
+from test_mixed_precision import check_passes_in_stocks_dtype
 from test_reward_equivalence import ranked_dataset
 
 from trl_prefix_sharing.ranked import expand_ranked_to_pairs
@@ -183,6 +186,15 @@ def test_bf16_log_probs_within_bf16_tolerance(tmp_path, tokenizer, family):
     for key in ("chosen", "rejected", "loss"):
         assert stock_result[key].numel() > 0
         torch.testing.assert_close(shared_result[key].float(), stock_result[key].float(), **BF16)
+
+
+@pytest.mark.parametrize("kind", list(MIXED_PRECISION_TRAINERS))
+def test_bf16_autocast_passes_run_in_stocks_dtype(tmp_path, tokenizer, kind):
+    """`bf16=True` (TRL's default): DPO, reward, GRPO, RLOO and online DPO run their policy and reference passes in
+    stock's dtype through FlexAttention, and the first step logs stock's numbers (online DPO's first KL exactly 0)."""
+    check_passes_in_stocks_dtype(
+        tmp_path, tokenizer, kind, model_kwargs=CUDA_SIZES, atol=BF16["atol"], rtol=1e-2, **ON_GPU
+    )
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["sharing", "sharing+packing"])

@@ -79,6 +79,7 @@ def test_a_changed_internal_is_one_clear_error(monkeypatch):
             Internal(
                 "trl.trainer.dpo_trainer:DPOTrainer", "_precompute_ref_logps", "override", ("self", "dataset", "split")
             ),
+            Internal("accelerate.accelerator:Accelerator", "_gone_forward", "read", attribute=True, holder="model"),
         ),
     }
     monkeypatch.setattr(trl_internals, "INTERNALS", broken)
@@ -91,6 +92,7 @@ def test_a_changed_internal_is_one_clear_error(monkeypatch):
     message = str(error.value)
     assert f"trl{SUPPORTED_TRL}" in message and trl.__version__ in message
     assert "has no `_renamed`" in message and "_precompute_ref_logps takes (self, dataset, name" in message
+    assert "no longer sets `model._gone_forward`" in message
 
 
 def test_supported_trl_range_is_the_requirement():

@@ -10,6 +10,13 @@ only, and every per-token field is gathered back to the stock positions. Everyth
 reference passes) is TRL's own code, unchanged. Without a layout, or for a plain (non-fused) call such as generation,
 the model's forward is untouched. The mask travels as a forward argument, so gradient checkpointing's recomputation
 sees it. :func:`remove_prefix_sharing_forward` undoes the wrap.
+
+A call with a layout but without ``fused_lm_head`` (a trainer that reads logits in stock, such as online DPO with
+half-precision logits) runs the model's own forward on the shared rows and gathers the logits back to the stock rows
+(:func:`_shared_logits_forward`). A model that accelerate had already wrapped in mixed precision when the wrap was
+installed (a reference model prepared in TRL's ``__init__``) runs its shared calls inside that same autocast, with
+outputs converted to float32 as accelerate's wrapper does: the shared path may call the backbone directly (TRL's fused
+head does), around the wrapper that sits on ``model.forward``.
 """
 
 from __future__ import annotations
@@ -23,19 +30,41 @@ from .layout import gather_to_stock, shared_labels
 from .vision import substitute as substitute_vision_inputs
 
 
-__all__ = ["install_prefix_sharing_forward", "remove_prefix_sharing_forward", "unwrap_model", "check_layout_matches"]
+__all__ = [
+    "install_prefix_sharing_forward",
+    "remove_prefix_sharing_forward",
+    "unwrap_model",
+    "check_layout_matches",
+    "wrapped_in_mixed_precision",
+]
 
 _ORIGINAL = "_prefix_sharing_original_forward"
 _PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+#: what accelerate's `prepare_model` keeps on a model whose forward it wrapped in autocast (native mixed precision)
+_ACCELERATE_UNWRAPPED_FORWARD = "_original_forward"
 
 
 def unwrap_model(model):
     """The transformers model under DDP/DeepSpeed (``.module``) and PEFT (``get_base_model()``) wrappers."""
+    *_, model = _wrappers(model)
+    return model
+
+
+def _wrappers(model):
+    """The model, then every module under its DDP/DeepSpeed (``.module``) and PEFT wrappers, the transformers model
+    last."""
+    yield model
     while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
         model = model.module
+        yield model
     if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
-        model = model.get_base_model()
-    return model
+        yield model.get_base_model()
+
+
+def wrapped_in_mixed_precision(model) -> bool:
+    """Whether accelerate's native mixed precision wraps the forward of ``model`` or of a module under it: its calls
+    then run in autocast and return float32 outputs (accelerate's `convert_outputs_to_fp32`)."""
+    return any(_ACCELERATE_UNWRAPPED_FORWARD in module.__dict__ for module in _wrappers(model))
 
 
 def check_layout_matches(layout: dict, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
@@ -122,6 +151,33 @@ def _shared_forward(original_forward, kwargs: dict, layout: dict):
     return FusedCausalLMOutput(loss=loss, label_mask=valid, aux_loss=aux_loss, **fields)
 
 
+def _shared_logits_forward(original_forward, kwargs: dict, layout: dict):
+    """The model's own (unfused) forward on the shared rows; its logits gathered back to the stock rows, for the last
+    ``logits_to_keep`` stock columns (all of them when 0), as the stock call would return them. Only the logits."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    for name in ("inputs_embeds", "position_ids", "labels", "shift_labels", "past_key_values"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"Prefix sharing builds its own inputs; `{name}` cannot be passed alongside the layout.")
+    position_ids = substitute_vision_inputs(kwargs, layout)
+    input_ids = kwargs.pop("input_ids")
+    stock_attention_mask = kwargs.pop("attention_mask", None)
+    keep = kwargs.pop("logits_to_keep", 0)
+    kwargs.pop("fused_lm_head", None)
+    if not isinstance(keep, int):
+        raise ValueError("The prefix-shared forward keeps the last `logits_to_keep` stock columns: give an int.")
+    mask = layout.get("attention_mask")
+    if mask is None:
+        raise RuntimeError("The prefix-sharing attention mask was not built for this batch; call through the trainer.")
+    check_layout_matches(layout, input_ids, stock_attention_mask)
+    kwargs.pop("use_cache", None)
+    logits = original_forward(
+        input_ids=layout["input_ids"], attention_mask=mask, position_ids=position_ids, use_cache=False, **kwargs
+    ).logits
+    index = layout["stock_index"][:, -keep:]
+    return CausalLMOutputWithPast(logits=gather_to_stock(logits, index, index >= 0))
+
+
 def _capture_router_logits(backbone, captured: list) -> list:
     """Scoped hooks on the backbone: it returns its router logits (appended to `captured`) for this call."""
 
@@ -195,26 +251,42 @@ def _is_sequence_classifier(model) -> bool:
     return True
 
 
-def install_prefix_sharing_forward(model) -> None:
+def install_prefix_sharing_forward(model, autocast=None) -> None:
     """Wrap ``model.forward`` to accept a ``prefix_sharing`` layout: for a causal LM, the forward TRL's
-    ``add_fused_lm_head`` patched (used with ``fused_lm_head=True``); for a sequence classifier, its own forward.
+    ``add_fused_lm_head`` patched (used with ``fused_lm_head=True``; without it, the logits of the model's own forward,
+    see :func:`_shared_logits_forward`); for a sequence classifier, its own forward.
 
+    ``autocast``: the autocast of accelerate's mixed precision (a callable returning a context manager, e.g.
+    ``accelerator.autocast``). If accelerate already wrapped this model's forward in it, the shared calls run inside
+    it and return float32 outputs, as the wrapped forward does (they may call the backbone around the wrapper).
     Scoped to this model instance and idempotent; undone by :func:`remove_prefix_sharing_forward`.
     """
     if _ORIGINAL in model.__dict__:
         return
     original_forward = model.forward
+    if _ACCELERATE_UNWRAPPED_FORWARD not in model.__dict__:
+        autocast = None  # not wrapped yet: accelerate's wrapper will sit around this one
     classifier = _is_sequence_classifier(model)
+
+    def shared(self, kwargs, layout):
+        if classifier:
+            return _shared_classification_forward(self, kwargs, layout)
+        if kwargs.get("fused_lm_head", False):
+            return _shared_forward(original_forward, kwargs, layout)
+        return _shared_logits_forward(original_forward, kwargs, layout)
 
     @functools.wraps(type(model).forward)
     def forward(self, *args, prefix_sharing=None, **kwargs):
-        if prefix_sharing is not None and args:
-            raise TypeError("The prefix-shared forward takes keyword arguments only.")
-        if prefix_sharing is not None and classifier:
-            return _shared_classification_forward(self, kwargs, prefix_sharing)
-        if prefix_sharing is None or not kwargs.get("fused_lm_head", False):
+        if prefix_sharing is None:
             return original_forward(*args, **kwargs)
-        return _shared_forward(original_forward, kwargs, prefix_sharing)
+        if args:
+            raise TypeError("The prefix-shared forward takes keyword arguments only.")
+        if autocast is None:
+            return shared(self, kwargs, prefix_sharing)
+        from accelerate.utils import convert_to_fp32
+
+        with autocast():
+            return convert_to_fp32(shared(self, kwargs, prefix_sharing))
 
     model.__dict__[_ORIGINAL] = original_forward
     model.forward = types.MethodType(forward, model)

@@ -19,6 +19,7 @@ from trl.experimental.online_dpo import OnlineDPOConfig as _TRLOnlineDPOConfig
 from trl.experimental.online_dpo import OnlineDPOTrainer as _TRLOnlineDPOTrainer
 
 from .config import _SHARING_DOC, PrefixSharingArguments
+from .forward import unwrap_model, wrapped_in_mixed_precision
 from .sharing import PrefixSharingMixin
 from .trl_internals import check_trl_internals
 
@@ -80,6 +81,15 @@ class OnlineDPOTrainer(PrefixSharingMixin, _TRLOnlineDPOTrainer):
         layout = self.sharing.generated_layout(
             input_ids, attention_mask, prompt_length, score_padding=True, source=source
         )
+        if stock_logits_dtype(model) != torch.float32:
+            # stock's log-softmax runs in half precision: the same op on the same logits, at the completion columns
+            logits = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                logits_to_keep=completion_ids.size(1) + 1,
+                prefix_sharing=layout,
+            ).logits[:, :-1]
+            return torch.take_along_dim(logits.log_softmax(dim=-1), completion_ids.unsqueeze(-1), dim=2).squeeze(-1)
         labels = input_ids.clone()
         labels[:, :prompt_length] = -100  # every completion column, padding included, as stock scores them
         outputs = model(
@@ -90,3 +100,12 @@ class OnlineDPOTrainer(PrefixSharingMixin, _TRLOnlineDPOTrainer):
             prefix_sharing=layout,
         )
         return outputs.log_probs[:, prompt_length - 1 :]
+
+
+def stock_logits_dtype(model) -> torch.dtype:
+    """The dtype of the logits stock's `model(...)` returns, which its `log_softmax` runs in: float32 behind
+    accelerate's mixed-precision wrapper (it converts the outputs), otherwise the LM head's dtype."""
+    if wrapped_in_mixed_precision(model):
+        return torch.float32
+    weight = unwrap_model(model).get_output_embeddings().weight
+    return weight.dtype if weight.is_floating_point() else torch.float32

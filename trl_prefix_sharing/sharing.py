@@ -99,6 +99,8 @@ class PrefixSharing:
         fuse_lm_head: add TRL's fused log-prob head to the models first (for a trainer that materialises logits in
             stock, such as online DPO): the shared rows are then scored without logits over the prompt.
         checks: `prefix_sharing_checks` (None: where the batch is on the CPU).
+        autocast: the trainer's `accelerator.autocast`: the shared calls of a model that accelerate already wrapped
+            in mixed precision (a reference model prepared in TRL's `__init__`) run inside it, as stock's calls do.
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class PrefixSharing:
         supports_vision: bool = False,
         fuse_lm_head: bool = False,
         checks: bool | None = None,
+        autocast=None,
     ):
         if getattr(getattr(models[0], "active_peft_config", None), "is_prompt_learning", False):
             raise ValueError("Prefix sharing does not support prompt-learning PEFT adapters.")
@@ -124,6 +127,7 @@ class PrefixSharing:
         self._switch = AttentionSwitch()
         self._fuse_lm_head = fuse_lm_head
         self.checks = checks
+        self.autocast = autocast
         self._layouts = _LayoutCache()
         self.attached = False
 
@@ -141,7 +145,7 @@ class PrefixSharing:
                     add_fused_lm_head(model)
         for model in self.models:
             self._switch.apply(model, self.attn_implementation)
-            install_prefix_sharing_forward(model)
+            install_prefix_sharing_forward(model, autocast=self.autocast)
         self.attached = True
 
     def detach(self) -> None:
@@ -327,6 +331,7 @@ class PrefixSharingMixin:
             supports_vision=self._supports_vision,
             fuse_lm_head=self._fuse_lm_head,
             checks=getattr(self.args, "prefix_sharing_checks", None),
+            autocast=self.accelerator.autocast,
         )
         self.sharing.attach()
         self._setup_collator()

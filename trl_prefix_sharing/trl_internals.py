@@ -1,5 +1,5 @@
-"""Every private TRL (and transformers `Trainer`) method, attribute and function this package overrides or reads, in
-one place, checked against the installed versions when a trainer module is imported.
+"""Every private TRL (and transformers `Trainer`, accelerate) method, attribute and function this package overrides or
+reads, in one place, checked against the installed versions when a trainer module is imported.
 
 TRL's trainers have no hooks for a different batch layout, so the trainers here override a few of their methods and
 read a few of their attributes. A new TRL release may rename or re-sign any of them; this module turns that into one
@@ -36,6 +36,7 @@ class Internal:
     use: str
     parameters: tuple[str, ...] = ()
     attribute: bool = False  # an instance attribute (checked in the source of its class: `self.name = ...`)
+    holder: str = "self"  # for an attribute the class sets on another object (e.g. `model.name = ...`): its name there
 
 
 _DPO = "trl.trainer.dpo_trainer:DPOTrainer"
@@ -65,6 +66,8 @@ INTERNALS: dict[str, tuple[Internal, ...]] = {
     "common": (
         Internal("trl.trainer.utils", "add_fused_lm_head", "call", ("model",)),
         Internal("trl.trainer.utils", "FusedCausalLMOutput", "call"),
+        # accelerate's mark of a model whose forward `prepare_model` wrapped in mixed precision (`forward.py`)
+        Internal("accelerate.accelerator:Accelerator", "_original_forward", "read", attribute=True, holder="model"),
     ),
     "dpo": (
         Internal(_DPO, "_precompute_ref_logps", "override", ("self", "dataset", "name", "batch_size")),
@@ -127,9 +130,10 @@ def _problem(internal: Internal) -> str | None:
         return f"{internal.owner} cannot be imported ({error})"
     if internal.attribute:
         source = _class_source(owner) if inspect.isclass(owner) else ""
-        if hasattr(owner, internal.name) or re.search(rf"self\.{internal.name}\s*(\[[^]]*\]\s*)?[+]?=", source):
+        assignment = rf"\b{internal.holder}\.{internal.name}\s*(\[[^]]*\]\s*)?[+]?="
+        if hasattr(owner, internal.name) or re.search(assignment, source):
             return None
-        return f"{internal.owner} no longer sets `{internal.name}`"
+        return f"{internal.owner} no longer sets `{internal.holder}.{internal.name}`"
     target = getattr(owner, internal.name, None)
     if target is None:
         return f"{internal.owner} has no `{internal.name}`"
