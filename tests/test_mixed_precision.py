@@ -33,10 +33,11 @@ BF16_ATOL, BF16_RTOL = 5e-3, 1e-3
 FAMILY = "qwen3"
 
 
-def _online_dpo(ours, tmp_path, tokenizer, dtypes=(torch.float32, torch.float32), model_kwargs=None, **overrides):
+def _online_dpo(ours, tmp_path, tokenizer, weights=torch.float32, model_kwargs=None, ref_weights=None, **overrides):
     model_kwargs = model_kwargs or {}
-    policy = make_model(FAMILY, len(tokenizer), seed=0, **model_kwargs).to(dtypes[0])
-    ref = make_model(FAMILY, len(tokenizer), seed=0, **model_kwargs).to(dtypes[1])  # the policy's weights: KL 0
+    policy = make_model(FAMILY, len(tokenizer), seed=0, **model_kwargs).to(weights)
+    ref = make_model(FAMILY, len(tokenizer), seed=0, **model_kwargs)  # the policy's weights: stock's first KL is 0
+    ref = ref.to(weights if ref_weights is None else ref_weights)
     config, trainer = (OnlineDPOConfig, OnlineDPOTrainer) if ours else (StockOnlineDPOConfig, StockOnlineDPOTrainer)
     kwargs = dict(per_device_train_batch_size=4, max_new_tokens=6, use_cpu=True, report_to="none", logging_steps=1)
     kwargs.update(save_strategy="no", seed=0, max_steps=1, learning_rate=1e-3, **overrides)
@@ -51,10 +52,10 @@ def _online_dpo(ours, tmp_path, tokenizer, dtypes=(torch.float32, torch.float32)
     )
 
 
-def _dpo(ours, tmp_path, tokenizer, model_kwargs=None, **overrides):
+def _dpo(ours, tmp_path, tokenizer, weights=torch.float32, model_kwargs=None, **overrides):
     model_kwargs = model_kwargs or {}
-    model = make_model(FAMILY, len(tokenizer), seed=0, **model_kwargs)
-    ref = make_model(FAMILY, len(tokenizer), seed=1, **model_kwargs)
+    model = make_model(FAMILY, len(tokenizer), seed=0, **model_kwargs).to(weights)
+    ref = make_model(FAMILY, len(tokenizer), seed=1, **model_kwargs).to(weights)
     return (DPOTrainer if ours else trl.DPOTrainer)(
         model=model,
         ref_model=ref,
@@ -64,9 +65,9 @@ def _dpo(ours, tmp_path, tokenizer, model_kwargs=None, **overrides):
     )
 
 
-def _reward(ours, tmp_path, tokenizer, model_kwargs=None, **overrides):
+def _reward(ours, tmp_path, tokenizer, weights=torch.float32, model_kwargs=None, **overrides):
     return (RewardTrainer if ours else trl.RewardTrainer)(
-        model=make_reward_model(FAMILY, tokenizer, seed=0, **(model_kwargs or {})),
+        model=make_reward_model(FAMILY, tokenizer, seed=0, **(model_kwargs or {})).to(weights),
         args=reward_args(tmp_path, {"prefix_sharing": True} if ours else None, max_steps=1, **overrides),
         train_dataset=awkward_text_dataset(),
         processing_class=tokenizer,
@@ -74,11 +75,21 @@ def _reward(ours, tmp_path, tokenizer, model_kwargs=None, **overrides):
 
 
 def _group(kind):
-    def build(ours, tmp_path, tokenizer, model_kwargs=None, **overrides):
-        # the reference is loaded from the saved model (beta > 0)
+    def build(ours, tmp_path, tokenizer, weights=torch.float32, model_kwargs=None, **overrides):
+        # the policy and the reference are loaded from the saved model (beta > 0)
         path = save_model(tmp_path / f"{kind}{ours}", FAMILY, tokenizer, **(model_kwargs or {}))
+        model_init_kwargs = {"dtype": weights}
         return make_group_trainer(
-            kind, ours, path, prompt_dataset(), tokenizer, tmp_path, max_steps=1, beta=0.1, **overrides
+            kind,
+            ours,
+            path,
+            prompt_dataset(),
+            tokenizer,
+            tmp_path,
+            max_steps=1,
+            beta=0.1,
+            model_init_kwargs=model_init_kwargs,
+            **overrides,
         )
 
     return build
@@ -125,13 +136,15 @@ def _assert_same_first_step(stock_log: dict, shared_log: dict, atol=BF16_ATOL, r
 
 
 def check_passes_in_stocks_dtype(
-    tmp_path, tokenizer, kind, model_kwargs=None, atol=BF16_ATOL, rtol=BF16_RTOL, **overrides
+    tmp_path, tokenizer, kind, weights=torch.float32, model_kwargs=None, atol=BF16_ATOL, rtol=BF16_RTOL, **overrides
 ):
-    """`bf16=True`, float32 weights, one training step of `kind` in stock TRL and with prefix sharing: the policy and
-    reference passes run in bf16 as stock's do, and the first step's numbers are stock's (also run on CUDA by
-    tests/test_cuda.py)."""
+    """`bf16=True`, one training step of `kind` in stock TRL and with prefix sharing, from `weights`-dtype models: the
+    policy and reference passes run in bf16 as stock's do, and the first step's numbers are stock's (also run on CUDA
+    by tests/test_cuda.py)."""
     (stock_log, stock_dtypes), (shared_log, shared_dtypes) = (
-        _first_step(TRAINERS[kind](ours, tmp_path, tokenizer, model_kwargs=model_kwargs, bf16=True, **overrides))
+        _first_step(
+            TRAINERS[kind](ours, tmp_path / str(ours), tokenizer, weights, model_kwargs, bf16=True, **overrides)
+        )
         for ours in (False, True)
     )
     expected_roles = {"policy"} if kind == "reward" else {"policy", "reference"}
@@ -143,18 +156,19 @@ def check_passes_in_stocks_dtype(
         assert stock_log["rewards/margins"] == shared_log["rewards/margins"] == 0
 
 
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16], ids=["fp32-weights", "bf16-weights"])
 @pytest.mark.parametrize("kind", list(TRAINERS))
-def test_every_pass_runs_in_stocks_dtype_under_bf16(tmp_path, tokenizer, kind):
-    check_passes_in_stocks_dtype(tmp_path, tokenizer, kind)
+def test_every_pass_runs_in_stocks_dtype_under_bf16(tmp_path, tokenizer, kind, weights):
+    check_passes_in_stocks_dtype(tmp_path, tokenizer, kind, weights)
 
 
 def test_half_precision_reference_scored_as_stock(tmp_path, tokenizer):
     """A float32 policy and a bf16 reference without autocast (TRL's own `test_train_with_ref_model` setting): stock
     scores the reference with a bf16 `log_softmax`, which makes its first KL about 0.01 where a float32 log-softmax
     gives 5e-4; the shared rows give the same numbers as stock."""
-    dtypes = (torch.float32, torch.bfloat16)
     stock_log, shared_log = (
-        _first_step(_online_dpo(ours, tmp_path, tokenizer, dtypes, bf16=False))[0] for ours in (False, True)
+        _first_step(_online_dpo(ours, tmp_path, tokenizer, ref_weights=torch.bfloat16, bf16=False))[0]
+        for ours in (False, True)
     )
     assert abs(stock_log["objective/kl"]) > 10 * BF16_ATOL / 5  # the bf16 log-softmax's share of it is visible
     assert _assert_same_first_step(stock_log, shared_log, atol=1e-5, rtol=1e-4) >= 10
@@ -165,8 +179,7 @@ def test_half_precision_log_probs_as_stock(tmp_path, tokenizer, monkeypatch, wro
     """bf16 weights, no autocast: `_forward` returns stock's bf16 log-probs of every completion column (the same
     `log_softmax` on the same logits, computed over the shared rows), and their gradients; a leaky mask fails it."""
     input_ids, attention_mask, keep = crafted_batch(tokenizer)
-    dtypes = (torch.bfloat16, torch.bfloat16)
-    stock, shared = (_online_dpo(ours, tmp_path, tokenizer, dtypes, bf16=False) for ours in (False, True))
+    stock, shared = (_online_dpo(ours, tmp_path, tokenizer, torch.bfloat16, bf16=False) for ours in (False, True))
     if wrong == "leaky_branches":
         monkeypatch.setattr(attention_module, "prefix_sharing_mask", leaky_dpo_mask)
     (expected, expected_grads), (got, grads) = (
