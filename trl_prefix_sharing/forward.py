@@ -171,6 +171,8 @@ def _shared_logits_forward(original_forward, kwargs: dict, layout: dict):
         raise RuntimeError("The prefix-sharing attention mask was not built for this batch; call through the trainer.")
     check_layout_matches(layout, input_ids, stock_attention_mask)
     kwargs.pop("use_cache", None)
+    if hasattr(original_forward.__self__.config.get_text_config(), "output_router_logits"):
+        kwargs["output_router_logits"] = False  # MoE: the auxiliary loss is not returned here (it needs stock's rows)
     logits = original_forward(
         input_ids=layout["input_ids"], attention_mask=mask, position_ids=position_ids, use_cache=False, **kwargs
     ).logits
