@@ -172,7 +172,7 @@ def test_half_precision_reference_scored_as_stock(tmp_path, tokenizer):
         _first_step(_online_dpo(ours, tmp_path, tokenizer, ref_weights=torch.bfloat16, bf16=False))[0]
         for ours in (False, True)
     )
-    assert abs(stock_log["objective/kl"]) > 10 * BF16_ATOL / 5  # the bf16 log-softmax's share of it is visible
+    assert abs(stock_log["objective/kl"]) > 2 * BF16_ATOL  # stock's bf16 log-softmax shows (0.012 measured)
     assert _assert_same_first_step(stock_log, shared_log, atol=1e-5, rtol=1e-4) >= 10
 
 
