@@ -93,25 +93,37 @@ def check_layout_matches(layout: dict, input_ids: torch.Tensor, attention_mask: 
         raise RuntimeError("Prefix-sharing layout does not hold the stock batch's tokens.")
 
 
-def _shared_forward(original_forward, kwargs: dict, layout: dict):
-    from trl.trainer.utils import FusedCausalLMOutput
-
-    for name in ("inputs_embeds", "position_ids", "shift_labels"):
+def _take_stock_inputs(kwargs: dict, layout: dict, replaced: tuple[str, ...]):
+    """The start of every shared call: refuse the inputs the layout replaces (``replaced``), take the stock
+    ``input_ids`` and ``attention_mask`` out of ``kwargs`` and check the layout against them. Returns those two, the
+    layout's mask and the shared rows' position ids (a vision batch's inputs in ``kwargs`` swapped for the shared
+    rows': images once per pair, M-RoPE rows)."""
+    for name in replaced:
         if kwargs.get(name) is not None:
             raise ValueError(f"Prefix sharing builds its own inputs; `{name}` cannot be passed alongside the layout.")
-    position_ids = substitute_vision_inputs(kwargs, layout)  # images once per pair, M-RoPE rows (vision models)
-    input_ids = kwargs.pop("input_ids")
-    stock_attention_mask = kwargs.pop("attention_mask", None)
-    labels = kwargs.pop("labels")
-    if labels is None:
-        raise ValueError("The prefix-shared fused forward needs `labels` (TRL passes them).")
     mask = layout.get("attention_mask")
     if mask is None:
         raise RuntimeError(
             "The prefix-sharing attention mask was not built for this batch. Call the model through the trainer "
             "(it builds the mask once per step, shared by the policy and reference passes)."
         )
+    position_ids = substitute_vision_inputs(kwargs, layout)
+    input_ids = kwargs.pop("input_ids")
+    stock_attention_mask = kwargs.pop("attention_mask", None)
     check_layout_matches(layout, input_ids, stock_attention_mask)
+    kwargs.pop("use_cache", None)  # the shared calls never cache
+    return input_ids, stock_attention_mask, mask, position_ids
+
+
+def _shared_forward(original_forward, kwargs: dict, layout: dict):
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    input_ids, stock_attention_mask, mask, position_ids = _take_stock_inputs(
+        kwargs, layout, ("inputs_embeds", "position_ids", "shift_labels")
+    )
+    labels = kwargs.pop("labels")
+    if labels is None:
+        raise ValueError("The prefix-shared fused forward needs `labels` (TRL passes them).")
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
 
     model = original_forward.__self__
@@ -156,21 +168,13 @@ def _shared_logits_forward(original_forward, kwargs: dict, layout: dict):
     ``logits_to_keep`` stock columns (all of them when 0), as the stock call would return them. Only the logits."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    for name in ("inputs_embeds", "position_ids", "labels", "shift_labels", "past_key_values"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"Prefix sharing builds its own inputs; `{name}` cannot be passed alongside the layout.")
-    position_ids = substitute_vision_inputs(kwargs, layout)
-    input_ids = kwargs.pop("input_ids")
-    stock_attention_mask = kwargs.pop("attention_mask", None)
+    _, _, mask, position_ids = _take_stock_inputs(
+        kwargs, layout, ("inputs_embeds", "position_ids", "labels", "shift_labels", "past_key_values")
+    )
     keep = kwargs.pop("logits_to_keep", 0)
     kwargs.pop("fused_lm_head", None)
     if not isinstance(keep, int):
         raise ValueError("The prefix-shared forward keeps the last `logits_to_keep` stock columns: give an int.")
-    mask = layout.get("attention_mask")
-    if mask is None:
-        raise RuntimeError("The prefix-sharing attention mask was not built for this batch; call through the trainer.")
-    check_layout_matches(layout, input_ids, stock_attention_mask)
-    kwargs.pop("use_cache", None)
     if hasattr(original_forward.__self__.config.get_text_config(), "output_router_logits"):
         kwargs["output_router_logits"] = False  # MoE: the auxiliary loss is not returned here (it needs stock's rows)
     logits = original_forward(
@@ -214,21 +218,14 @@ def _shared_classification_forward(model, kwargs: dict, layout: dict):
     transformers reads it, i.e. at the rightmost token of each stock row that is not `pad_token_id`."""
     from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
-    for name in ("inputs_embeds", "position_ids", "labels", "past_key_values"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"Prefix sharing builds its own inputs; `{name}` cannot be passed alongside the layout.")
-    input_ids = kwargs.pop("input_ids")
-    stock_attention_mask = kwargs.pop("attention_mask", None)
-    check_layout_matches(layout, input_ids, stock_attention_mask)
-    kwargs.pop("use_cache", None)
+    input_ids, _, mask, position_ids = _take_stock_inputs(
+        kwargs, layout, ("inputs_embeds", "position_ids", "labels", "past_key_values")
+    )
     kwargs.pop("margin", None)  # TRL's reward trainer hands the whole batch to the model
-    mask = layout.get("attention_mask")
-    if mask is None:
-        raise RuntimeError("The prefix-sharing attention mask was not built for this batch; call through the trainer.")
     hidden = getattr(model, model.base_model_prefix)(
         input_ids=layout["input_ids"],
         attention_mask=mask,
-        position_ids=layout["position_ids"],
+        position_ids=position_ids,
         use_cache=False,
         **kwargs,
     ).last_hidden_state
