@@ -23,6 +23,7 @@ import datasets  # noqa: E402
 import torch  # noqa: E402
 import trl  # noqa: E402
 from distributed_train import ReplayRanks, finish  # noqa: E402
+from equivalence import CPU_RUN  # noqa: E402
 
 from trl_prefix_sharing import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer  # noqa: E402
 from trl_prefix_sharing.testing import make_config, make_model, make_tokenizer, synthetic_pairs  # noqa: E402
@@ -50,12 +51,7 @@ def make_trainer(kind, ours, out, tokenizer, dataset, models, **fields):
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
         num_train_epochs=1,
-        bf16=False,
-        use_cpu=True,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        seed=0,
+        **CPU_RUN,
         learning_rate=0.1,
         optim="sgd",
         max_length=None,

@@ -18,6 +18,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 import datasets  # noqa: E402
 import torch  # noqa: E402
+from equivalence import CPU_RUN  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from trl_prefix_sharing import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer  # noqa: E402
@@ -63,12 +64,7 @@ def make_trainer(args, tokenizer, dataset, eval_dataset=None):
         output_dir=os.path.join(args.out, "run"),
         per_device_train_batch_size=args.batch_size,
         num_train_epochs=1,
-        bf16=False,
-        use_cpu=True,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        seed=0,
+        **CPU_RUN,
         prefix_sharing=bool(args.prefix_sharing),
         packing=bool(args.packing),
         learning_rate=1e-3,

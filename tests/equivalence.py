@@ -15,21 +15,19 @@ from trl_prefix_sharing.testing import make_model
 
 
 _counter = itertools.count()
+#: how every side-by-side run trains, whatever the trainer: on the CPU, in fp32 (TRL's default `bf16=True` off), a log
+#: line per step, no checkpoints, one seed
+CPU_RUN = {"bf16": False, "use_cpu": True, "report_to": "none", "logging_steps": 1, "save_strategy": "no", "seed": 0}
 
 
 def _common_args(tmp_path, overrides) -> dict:
-    """The fields stock and ours share in these tests (CPU, fp32, log every step), then `overrides`."""
+    """The fields stock and ours share in these tests (`CPU_RUN`, batches of 4, no truncation), then `overrides`."""
     return {
         "output_dir": str(tmp_path / f"run{next(_counter)}"),
         "per_device_train_batch_size": 4,
         "per_device_eval_batch_size": 4,
-        "bf16": False,
-        "use_cpu": True,
-        "report_to": "none",
-        "logging_steps": 1,
-        "save_strategy": "no",
         "max_length": None,
-        "seed": 0,
+        **CPU_RUN,
         **overrides,
     }
 

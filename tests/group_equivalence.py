@@ -8,6 +8,7 @@ import random
 import torch
 import trl
 from datasets import Dataset
+from equivalence import CPU_RUN
 
 from trl_prefix_sharing import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trl_prefix_sharing.testing import make_model
@@ -55,12 +56,7 @@ def group_args(config_cls, tmp_path, ours: bool, **overrides):
         per_device_train_batch_size=8,
         num_generations=4,
         max_completion_length=6,
-        bf16=False,
-        use_cpu=True,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        seed=0,
+        **CPU_RUN,
         max_steps=2,
         learning_rate=1e-3,
     )

@@ -15,7 +15,7 @@ from collections import defaultdict
 import pytest
 import torch
 import trl
-from equivalence import awkward_text_dataset, dpo_args, leaky_dpo_mask, make_reward_model, reward_args
+from equivalence import CPU_RUN, awkward_text_dataset, dpo_args, leaky_dpo_mask, make_reward_model, reward_args
 from group_equivalence import UNCOMPARED, make_group_trainer, prompt_dataset, reward_digits, reward_length, save_model
 from test_grpo_equivalence import crafted_batch
 from test_online_dpo_equivalence import forward_and_grads
@@ -41,8 +41,8 @@ def _online_dpo(
     ref = make_model(family, len(tokenizer), seed=0, **model_kwargs)  # the policy's weights: stock's first KL is 0
     ref = ref.to(weights if ref_weights is None else ref_weights)
     config, trainer = (OnlineDPOConfig, OnlineDPOTrainer) if ours else (StockOnlineDPOConfig, StockOnlineDPOTrainer)
-    kwargs = dict(per_device_train_batch_size=4, max_new_tokens=6, use_cpu=True, report_to="none", logging_steps=1)
-    kwargs.update(save_strategy="no", seed=0, max_steps=1, learning_rate=1e-3, **overrides)
+    kwargs = dict(per_device_train_batch_size=4, max_new_tokens=6, **CPU_RUN, max_steps=1, learning_rate=1e-3)
+    kwargs.update(overrides)
     kwargs.update({"output_dir": str(tmp_path / f"online{ours}"), **({"prefix_sharing": True} if ours else {})})
     return trainer(
         model=policy,

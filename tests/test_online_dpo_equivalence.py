@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from equivalence import leaky_dpo_mask
+from equivalence import CPU_RUN, leaky_dpo_mask
 from group_equivalence import UNCOMPARED, prompt_dataset, reward_digits, reward_length
 from test_grpo_equivalence import crafted_batch
 from trl.experimental.online_dpo import OnlineDPOConfig as StockConfig
@@ -25,12 +25,7 @@ def make_trainers(tmp_path, family, tokenizer, dataset=None, peft_config=None, c
     kwargs = dict(
         per_device_train_batch_size=4,
         max_new_tokens=6,
-        bf16=False,
-        use_cpu=True,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        seed=0,
+        **CPU_RUN,
         max_steps=2,
         learning_rate=1e-3,
     )
