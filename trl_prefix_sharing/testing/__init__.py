@@ -149,13 +149,9 @@ def make_tokenizer(words=None):
     return tokenizer
 
 
-def make_config(family: str, vocab_size: int, hidden_size: int = 32, num_layers: int = 2, **overrides):
-    """A small config of one of `FAMILIES` (GQA: 4 query heads, 2 key/value heads), or of any other model type
-    transformers knows (with `TINY_CONFIGS[family]` applied)."""
-    from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-
-    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
-    kwargs = dict(
+def _tiny_text_fields(vocab_size: int, hidden_size: int, num_layers: int) -> dict:
+    """The shape of every tiny test model's text part: GQA, 4 query and 2 key/value heads, an MLP twice as wide."""
+    return dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -163,6 +159,17 @@ def make_config(family: str, vocab_size: int, hidden_size: int = 32, num_layers:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=4096,
+    )
+
+
+def make_config(family: str, vocab_size: int, hidden_size: int = 32, num_layers: int = 2, **overrides):
+    """A small config of one of `FAMILIES` (GQA: 4 query heads, 2 key/value heads), or of any other model type
+    transformers knows (with `TINY_CONFIGS[family]` applied)."""
+    from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    kwargs = dict(
+        **_tiny_text_fields(vocab_size, hidden_size, num_layers),
         pad_token_id=0,
         bos_token_id=2,
         eos_token_id=3,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import random
 
-from . import WORDS, make_tokenizer
+from . import WORDS, _tiny_text_fields, make_tokenizer
 
 
 __all__ = ["VISION_FAMILIES", "make_vision_processor", "make_vision_model", "synthetic_image_pairs", "random_image"]
@@ -75,13 +75,7 @@ def make_vision_config(family: str, tokenizer, hidden_size: int = 32, num_layers
     quarter = hidden_size // 4 // 2 // 4  # head_dim = hidden_size / 4 heads; M-RoPE sections add up to head_dim / 2
     mrope_section = [2 * quarter, quarter, quarter]
     text = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
+        **_tiny_text_fields(len(tokenizer), hidden_size, num_layers),
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
