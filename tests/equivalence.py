@@ -32,6 +32,13 @@ def _common_args(tmp_path, overrides) -> dict:
     }
 
 
+def assert_same_number(got, expected, what: str, atol: float, rtol: float) -> None:
+    """One logged number (a metric, a loss) equal to stock's within `atol`/`rtol`; `what` names it in the error."""
+    torch.testing.assert_close(
+        torch.tensor(float(got)), torch.tensor(float(expected)), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}"
+    )
+
+
 def dpo_args(tmp_path, ours: bool | dict | None, **overrides):
     """`ours=None` -> TRL's own `DPOConfig` (stock); a bool -> ours with that `prefix_sharing`; a dict -> ours with
     those fields (`prefix_sharing`, `packing`, ...)."""
@@ -111,13 +118,7 @@ def assert_same_step(stock, shared, atol=1e-5, rtol=1e-5, grad_tolerances=None):
     torch.testing.assert_close(shared["loss"], stock["loss"], atol=atol, rtol=rtol)
     assert stock["metrics"], "no metrics were logged"
     for key, value in stock["metrics"].items():
-        torch.testing.assert_close(
-            torch.tensor(float(shared["metrics"][key])),
-            torch.tensor(float(value)),
-            atol=atol,
-            rtol=rtol,
-            msg=lambda m, key=key: f"metric {key}: {m}",
-        )
+        assert_same_number(shared["metrics"][key], value, f"metric {key}", atol, rtol)
     assert stock["grads"] and set(shared["grads"]) == set(stock["grads"])
     for name, grad in stock["grads"].items():
         assert grad.numel() > 0
@@ -272,13 +273,7 @@ def assert_same_reward_step(stock, shared, compare_rewards=True, atol=1e-5, rtol
         if key == "accuracy" and compare_rewards:
             assert float(shared["metrics"][key]) == expected_shared_accuracy(stock, shared), (key, value)
             continue
-        torch.testing.assert_close(
-            torch.tensor(float(shared["metrics"][key])),
-            torch.tensor(float(value)),
-            atol=atol,
-            rtol=rtol,
-            msg=lambda m, key=key: f"metric {key}: {m}",
-        )
+        assert_same_number(shared["metrics"][key], value, f"metric {key}", atol, rtol)
     assert stock["grads"] and set(stock["grads"]) == set(shared["grads"])
     for name, grad in stock["grads"].items():
         torch.testing.assert_close(

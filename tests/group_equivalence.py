@@ -8,7 +8,7 @@ import random
 import torch
 import trl
 from datasets import Dataset
-from equivalence import CPU_RUN
+from equivalence import CPU_RUN, assert_same_number
 
 from trl_prefix_sharing import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trl_prefix_sharing.testing import make_model
@@ -96,13 +96,7 @@ def assert_same_runs(stock, shared, keys=None, atol=1e-5, rtol=1e-4):
             if key in UNCOMPARED or (keys is not None and key not in keys) or not isinstance(value, (int, float)):
                 continue
             assert key in b, f"step {step}: {key} not logged with prefix sharing"
-            torch.testing.assert_close(
-                torch.tensor(float(b[key])),
-                torch.tensor(float(value)),
-                atol=atol,
-                rtol=rtol,
-                msg=lambda m, key=key, step=step: f"step {step}, {key}: {m}",
-            )
+            assert_same_number(b[key], value, f"step {step}, {key}", atol, rtol)
             compared += 1
     assert compared >= len(stock_logs) * (len(keys) if keys is not None else 10)
     assert stock_params.keys() == shared_params.keys() and stock_params

@@ -8,7 +8,7 @@ import functools
 
 import torch
 from compile_watch import CompileWatch, compile_schedule
-from equivalence import make_trainers
+from equivalence import assert_same_number, make_trainers
 
 from trl_prefix_sharing import attention, mask
 from trl_prefix_sharing.testing import synthetic_pairs
@@ -67,13 +67,7 @@ def test_flex_attention_compiles_a_bounded_number_of_times_and_equals_stock(tmp_
             torch.testing.assert_close(loss, stock_loss, atol=1e-5, rtol=1e-5)
             assert {"logps/chosen", "logps/rejected", "rewards/margins"} <= set(stock_metrics)
             for key, value in stock_metrics.items():
-                torch.testing.assert_close(
-                    torch.tensor(float(metrics[key])),
-                    torch.tensor(float(value)),
-                    atol=1e-5,
-                    rtol=1e-5,
-                    msg=lambda m, key=key, mode=mode: f"{mode} metric {key}: {m}",
-                )
+                assert_same_number(metrics[key], value, f"{mode} metric {key}", atol=1e-5, rtol=1e-5)
         report = watch.assert_compiled_and_bounded(MAX_VARIANTS)
     assert report["train_eval_switches"] >= 2 * 30 - 1  # policy (train), then reference (eval), every training step
     assert len(schedule) >= 30 and len(widths) >= 10 and rows == {2, 4}, (len(schedule), widths, rows)

@@ -15,7 +15,15 @@ from collections import defaultdict
 import pytest
 import torch
 import trl
-from equivalence import CPU_RUN, awkward_text_dataset, dpo_args, leaky_dpo_mask, make_reward_model, reward_args
+from equivalence import (
+    CPU_RUN,
+    assert_same_number,
+    awkward_text_dataset,
+    dpo_args,
+    leaky_dpo_mask,
+    make_reward_model,
+    reward_args,
+)
 from group_equivalence import UNCOMPARED, make_group_trainer, prompt_dataset, reward_digits, reward_length, save_model
 from test_grpo_equivalence import crafted_batch
 from test_online_dpo_equivalence import forward_and_grads
@@ -126,13 +134,7 @@ def _assert_same_first_step(stock_log: dict, shared_log: dict, atol=BF16_ATOL, r
     for key, value in stock_log.items():
         if key in UNCOMPARED or not isinstance(value, (int, float)):
             continue
-        torch.testing.assert_close(
-            torch.tensor(float(shared_log[key])),
-            torch.tensor(float(value)),
-            atol=atol,
-            rtol=rtol,
-            msg=lambda m, key=key: f"{key}: {m}",
-        )
+        assert_same_number(shared_log[key], value, key, atol, rtol)
         compared += 1
     return compared
 
