@@ -1,5 +1,5 @@
-"""Prefix sharing for TRL's DPO, reward, GRPO, RLOO and online DPO trainers: compute each prompt once, get stock TRL's
-numbers."""
+"""Prefix sharing for TRL's DPO, reward, GRPO, RLOO, online DPO, KTO, ORPO and CPO trainers: compute each prompt once,
+get stock TRL's numbers."""
 
 from __future__ import annotations
 
@@ -22,6 +22,12 @@ _EXPORTS = {
     "RLOOTrainer": ".rloo_trainer",
     "OnlineDPOConfig": ".online_dpo_trainer",
     "OnlineDPOTrainer": ".online_dpo_trainer",
+    "KTOConfig": ".kto_trainer",
+    "KTOTrainer": ".kto_trainer",
+    "ORPOConfig": ".orpo_trainer",
+    "ORPOTrainer": ".orpo_trainer",
+    "CPOConfig": ".cpo_trainer",
+    "CPOTrainer": ".cpo_trainer",
     "MultipackSampler": ".sampler",
     "PrefixSharingCollator": ".collator",
     "PrefixSharing": ".sharing",

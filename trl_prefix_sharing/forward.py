@@ -118,12 +118,16 @@ def _take_stock_inputs(kwargs: dict, layout: dict, replaced: tuple[str, ...]):
 def _shared_forward(original_forward, kwargs: dict, layout: dict):
     from trl.trainer.utils import FusedCausalLMOutput
 
+    # stock `shift_labels` (a label for every column, the last included) or `labels` (shifted here, as stock shifts)
+    shift_labels = kwargs.pop("shift_labels", None)
+    labels = kwargs.pop("labels", None)
     input_ids, stock_attention_mask, mask, position_ids = _take_stock_inputs(
-        kwargs, layout, ("inputs_embeds", "position_ids", "shift_labels")
+        kwargs, layout, ("inputs_embeds", "position_ids")
     )
-    labels = kwargs.pop("labels")
-    if labels is None:
-        raise ValueError("The prefix-shared fused forward needs `labels` (TRL passes them).")
+    if (labels is None) == (shift_labels is None):
+        raise ValueError("The prefix-shared fused forward needs `labels` or `shift_labels` (one of them).")
+    shifted = shift_labels is not None
+    stock_labels = shift_labels if shifted else labels
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
 
     model = original_forward.__self__
@@ -139,7 +143,7 @@ def _shared_forward(original_forward, kwargs: dict, layout: dict):
             input_ids=layout["input_ids"],
             attention_mask=mask,
             position_ids=position_ids,
-            shift_labels=shared_labels(layout, labels, check=layout.get("check", True)),
+            shift_labels=shared_labels(layout, stock_labels, check=layout.get("check", True), shifted=shifted),
             **({"output_router_logits": False} if moe else {}),
             **kwargs,
         )
@@ -147,8 +151,8 @@ def _shared_forward(original_forward, kwargs: dict, layout: dict):
         for hook in hooks:
             hook.remove()
 
-    index = layout["stock_index"][:, :-1]
-    valid = (index >= 0) & (labels[:, 1:] != -100)
+    index = layout["stock_index"] if shifted else layout["stock_index"][:, :-1]
+    valid = (index >= 0) & ((shift_labels if shifted else labels[:, 1:]) != -100)
     fields = {}
     for name in _PER_TOKEN_FIELDS:
         value = getattr(outputs, name)
@@ -250,7 +254,7 @@ def _is_sequence_classifier(model) -> bool:
     return True
 
 
-def install_prefix_sharing_forward(model, autocast=None) -> None:
+def install_prefix_sharing_forward(model, autocast=None, route=None) -> None:
     """Wrap ``model.forward`` to accept a ``prefix_sharing`` layout: for a causal LM, the forward TRL's
     ``add_fused_lm_head`` patched (used with ``fused_lm_head=True``; without it, the logits of the model's own forward,
     see :func:`_shared_logits_forward`); for a sequence classifier, its own forward.
@@ -258,6 +262,9 @@ def install_prefix_sharing_forward(model, autocast=None) -> None:
     ``autocast``: the autocast of accelerate's mixed precision (a callable returning a context manager, e.g.
     ``accelerator.autocast``). If accelerate already wrapped this model's forward in it, the shared calls run inside
     it and return float32 outputs, as the wrapped forward does (they may call the backbone around the wrapper).
+    ``route``: for a trainer whose TRL code calls the model without a layout (KTO): ``route(model, kwargs)`` is asked
+    about every fused call (``fused_lm_head=True``) that has none, and returns the layout of the stock rows the call
+    holds, or a finished output, or None (the call runs as stock).
     Scoped to this model instance and idempotent; undone by :func:`remove_prefix_sharing_forward`.
     """
     if _ORIGINAL in model.__dict__:
@@ -276,6 +283,12 @@ def install_prefix_sharing_forward(model, autocast=None) -> None:
 
     @functools.wraps(type(model).forward)
     def forward(self, *args, prefix_sharing=None, **kwargs):
+        if prefix_sharing is None and route is not None and not args and kwargs.get("fused_lm_head", False):
+            from transformers.utils import ModelOutput
+
+            prefix_sharing = route(self, kwargs)
+            if isinstance(prefix_sharing, ModelOutput):
+                return prefix_sharing  # an output the route already computed (rows computed with other rows)
         if prefix_sharing is None:
             return original_forward(*args, **kwargs)
         if args:

@@ -414,15 +414,18 @@ def shared_positions(layout: dict[str, torch.Tensor]) -> torch.Tensor:
     return (counts > 1).view_as(layout["input_ids"])
 
 
-def shared_labels(layout: dict[str, torch.Tensor], stock_labels: torch.Tensor, check: bool = True) -> torch.Tensor:
-    """Next-token labels on the shared rows (``shift_labels`` for the fused LM head) from the stock ``labels``.
+def shared_labels(
+    layout: dict[str, torch.Tensor], stock_labels: torch.Tensor, check: bool = True, shifted: bool = False
+) -> torch.Tensor:
+    """Next-token labels on the shared rows (``shift_labels`` for the fused LM head) from the stock ``labels``
+    (``shifted``: the stock rows' own ``shift_labels``, the label of each column itself, last column included).
 
     The hidden state at a shared position predicts what its stock position predicts; stock rows that score one shared
     position give it the same label (the next token on the path is unique where two rows score it). ``check``
     verifies that (a host sync on the rows' device).
     """
-    index = layout["stock_index"][:, :-1]
-    labels = stock_labels[:, 1:].to(index.device)
+    index = layout["stock_index"] if shifted else layout["stock_index"][:, :-1]
+    labels = (stock_labels if shifted else stock_labels[:, 1:]).to(index.device)
     valid = (index >= 0) & (labels != -100)
     flat = torch.full((layout["input_ids"].numel(),), -100, dtype=torch.long, device=index.device)
     flat[index[valid]] = labels[valid]

@@ -27,7 +27,7 @@ from .architectures import check_supported_model
 from .attention import AttentionSwitch, build_attention_mask, choose_attn_implementation, shared_row_multiple
 from .collator import PrefixSharingCollator
 from .forward import install_prefix_sharing_forward, remove_prefix_sharing_forward, unwrap_model
-from .layout import shared_group_layout
+from .layout import build_shared_batch, shared_group_layout
 from .vision import check_supported_vision_model, has_vision_inputs, is_vision_config, shared_vision_inputs
 
 
@@ -97,7 +97,8 @@ class PrefixSharing:
         trainer_name: for error messages.
         supports_vision: whether the trainer lays out images (DPO).
         fuse_lm_head: add TRL's fused log-prob head to the models first (for a trainer that materialises logits in
-            stock, such as online DPO): the shared rows are then scored without logits over the prompt.
+            stock, such as online DPO): the shared rows are then scored without logits over the prompt. A tuple: the
+            per-token fields the head computes (its `outputs`, e.g. ``("log_probs", "mean_logits")``).
         checks: `prefix_sharing_checks` (None: where the batch is on the CPU).
         autocast: the trainer's `accelerator.autocast`: the shared calls of a model that accelerate already wrapped
             in mixed precision (a reference model prepared in TRL's `__init__`) run inside it, as stock's calls do.
@@ -112,7 +113,7 @@ class PrefixSharing:
         pad_to_multiple_of=None,
         trainer_name: str = "This trainer",
         supports_vision: bool = False,
-        fuse_lm_head: bool = False,
+        fuse_lm_head: bool | tuple[str, ...] = False,
         checks: bool | None = None,
         autocast=None,
     ):
@@ -129,6 +130,9 @@ class PrefixSharing:
         self.checks = checks
         self.autocast = autocast
         self._layouts = _LayoutCache()
+        #: a trainer whose TRL code calls its models without a layout sets this: ``router(model, kwargs)`` gives the
+        #: layout of a fused call's rows, a finished output, or None (see `install_prefix_sharing_forward`)
+        self.router = None
         self.attached = False
 
     # ----------------------------------------------------------------------------------------------- models
@@ -139,13 +143,14 @@ class PrefixSharing:
         if self._fuse_lm_head:
             from trl.trainer.utils import add_fused_lm_head
 
+            outputs = self._fuse_lm_head if isinstance(self._fuse_lm_head, tuple) else ("log_probs",)
             for model in self.models:
                 if _UNFUSED not in model.__dict__:
                     model.__dict__[_UNFUSED] = model.__dict__.get("forward")  # None: the class's own forward
-                    add_fused_lm_head(model)
+                    add_fused_lm_head(model, outputs=outputs)
         for model in self.models:
             self._switch.apply(model, self.attn_implementation)
-            install_prefix_sharing_forward(model, autocast=self.autocast)
+            install_prefix_sharing_forward(model, autocast=self.autocast, route=self._route)
         self.attached = True
 
     def detach(self) -> None:
@@ -192,8 +197,35 @@ class PrefixSharing:
         layout["attention_mask"] = build_attention_mask(layout, self.attn_implementation, self.models[0].config)
         layout["check"] = check
 
+    def _route(self, model, kwargs: dict):
+        return None if self.router is None else self.router(model, kwargs)
+
     def _checks_on(self, tensor: torch.Tensor) -> bool:
         return self.checks if self.checks is not None else tensor.device.type == "cpu"
+
+    def layout(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        prompt_lengths: torch.Tensor | None = None,
+        examples: torch.Tensor | None = None,
+        score_padding: bool = False,
+    ) -> dict:
+        """The layout, with its mask, of stock rows built in the training step (the trie of the rows; ``examples``,
+        ``prompt_lengths`` and ``score_padding``: see `plan_layout`). On the rows' device; one host read."""
+        check = self._checks_on(input_ids)
+        layout = build_shared_batch(
+            input_ids,
+            attention_mask,
+            prompt_lengths=prompt_lengths,
+            examples=examples,
+            pad_token_id=self.pad_token_id,
+            pad_to_multiple_of=self.row_multiple,
+            score_padding=score_padding,
+            check=check,
+        )
+        self._add_mask(layout, check)
+        return layout
 
     def generated_layout(
         self,

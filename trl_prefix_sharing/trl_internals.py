@@ -19,7 +19,14 @@ import re
 from dataclasses import dataclass
 
 
-__all__ = ["SUPPORTED_TRL", "Internal", "INTERNALS", "check_trl_internals", "replaced_function"]
+__all__ = [
+    "SUPPORTED_TRL",
+    "Internal",
+    "INTERNALS",
+    "check_trl_internals",
+    "import_experimental",
+    "replaced_function",
+]
 
 #: the TRL versions this package is measured with (also the `trl` requirement in pyproject.toml)
 SUPPORTED_TRL = ">=1.16,<1.17"
@@ -44,8 +51,21 @@ _REWARD = "trl.trainer.reward_trainer:RewardTrainer"
 _GRPO = "trl.trainer.grpo_trainer:GRPOTrainer"
 _RLOO = "trl.trainer.rloo_trainer:RLOOTrainer"
 _ONLINE_DPO = "trl.experimental.online_dpo.online_dpo_trainer:OnlineDPOTrainer"
+_KTO = "trl.trainer.kto_trainer:KTOTrainer"
+_ORPO = "trl.experimental.orpo.orpo_trainer:ORPOTrainer"
+_CPO = "trl.experimental.cpo.cpo_trainer:CPOTrainer"
 _TRAINER = "transformers.trainer:Trainer"
 _LOGPS = ("self", "model", "input_ids", "attention_mask", "logits_to_keep")
+
+
+def _concatenated_trainer_internals(owner: str) -> tuple[Internal, ...]:
+    """What `concatenated.ConcatenatedSharingMixin` uses of TRL's ORPO or CPO trainer class."""
+    return (
+        Internal(owner, "concatenated_forward", "override", ("self", "model", "batch")),
+        Internal(owner, "concatenated_inputs", "call", ("batch", "is_encoder_decoder", "padding_value", "device")),
+        Internal(owner, "is_encoder_decoder", "read", attribute=True),
+        Internal(owner, "aux_loss_enabled", "read", attribute=True),
+    )
 
 
 def _group_trainer_internals(owner: str) -> tuple[Internal, ...]:
@@ -105,6 +125,15 @@ INTERNALS: dict[str, tuple[Internal, ...]] = {
         ),
         Internal(_ONLINE_DPO, "max_length", "read", attribute=True),
     ),
+    "kto": (
+        Internal(_KTO, "_compute_kl_logps", "override", ("self", "model", "batch")),
+        Internal(_KTO, "compute_ref_log_probs", "override", ("self", "model", "inputs")),
+        Internal(_KTO, "compute_loss", "override", ("self", "model", "inputs")),
+        Internal(_KTO, "calculate_KL", "read", attribute=True),
+        Internal(_KTO, "_is_vision_dataset", "read", attribute=True),
+    ),
+    "orpo": (*_concatenated_trainer_internals(_ORPO), Internal(_ORPO, "padding_value", "read", attribute=True)),
+    "cpo": (*_concatenated_trainer_internals(_CPO), Internal(_CPO, "pad_token_id", "read", attribute=True)),
 }
 
 
@@ -171,6 +200,22 @@ def check_trl_internals(*trainers: str) -> None:
             + f"\nInstall a supported TRL (`pip install 'trl{SUPPORTED_TRL}'`) or use TRL's trainers without prefix "
             "sharing."
         )
+
+
+def import_experimental(name: str, trainer: str):
+    """``trl.experimental.<name>``, or an error that says what is missing and the way out: TRL removes experimental
+    trainers without a deprecation cycle, and only the module of that trainer fails to import, not this package."""
+    try:
+        return importlib.import_module(f"trl.experimental.{name}")
+    except ImportError as error:
+        import trl
+
+        raise ImportError(
+            f"trl_prefix_sharing.{trainer} builds on TRL's experimental `trl.experimental.{name}`, which the "
+            f"installed trl {trl.__version__} does not provide ({error}). It is supported with trl{SUPPORTED_TRL}: "
+            f"install it (`pip install 'trl{SUPPORTED_TRL}'`), or train with a TRL trainer without prefix sharing. "
+            "The other trainers of this package are unaffected."
+        ) from error
 
 
 @contextlib.contextmanager

@@ -1,0 +1,167 @@
+"""ORPO and CPO (SimPO, CPO-SimPO, AlphaPO) with prefix sharing against TRL's own experimental trainers, in the same
+process, fp32 on the CPU: the loss, every logged metric (the NLL term, the `logits/*` means over prompt and padding),
+the gradients and the weights after training."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from equivalence import CPU_RUN, assert_same_number, awkward_text_dataset, conversational_dataset, leaky_dpo_mask
+from trl.experimental.cpo import CPOConfig as StockCPOConfig
+from trl.experimental.cpo import CPOTrainer as StockCPOTrainer
+from trl.experimental.orpo import ORPOConfig as StockORPOConfig
+from trl.experimental.orpo import ORPOTrainer as StockORPOTrainer
+
+import trl_prefix_sharing.attention as attention_module
+from trl_prefix_sharing import CPOConfig, CPOTrainer, ORPOConfig, ORPOTrainer
+from trl_prefix_sharing.testing import make_model
+
+
+KINDS = {
+    "orpo": (StockORPOTrainer, StockORPOConfig, ORPOTrainer, ORPOConfig),
+    "cpo": (StockCPOTrainer, StockCPOConfig, CPOTrainer, CPOConfig),
+}
+
+#: (trainer, its options): the loss types and weights the trainers offer
+SETTINGS = {
+    "orpo-beta0.1": ("orpo", {"beta": 0.1}),
+    "orpo-beta1": ("orpo", {"beta": 1.0}),
+    "cpo-sigmoid": ("cpo", {"loss_type": "sigmoid"}),
+    "cpo-hinge": ("cpo", {"loss_type": "hinge"}),
+    "cpo-ipo": ("cpo", {"loss_type": "ipo"}),
+    "simpo": ("cpo", {"loss_type": "simpo", "cpo_alpha": 0.0}),
+    "cpo-simpo": ("cpo", {"loss_type": "simpo", "cpo_alpha": 0.5}),
+    "alphapo": ("cpo", {"loss_type": "simpo", "cpo_alpha": 0.0, "alpha": 0.25}),
+}
+
+
+def make_trainers(tmp_path, kind, tokenizer, dataset, family="llama", peft_config=None, config_kwargs=None, **options):
+    """(stock TRL trainer, ours with `prefix_sharing=True`) from identical weights and data."""
+    stock_cls, stock_config, ours_cls, ours_config = KINDS[kind]
+    model = make_model(family, len(tokenizer), seed=0, **(config_kwargs or {}))
+    fields = dict(
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        max_length=512,
+        learning_rate=1e-3,
+        max_steps=2,
+        **CPU_RUN,
+    )
+    fields.update(options)
+    trainers = []
+    for cls, config, ours in ((stock_cls, stock_config, {}), (ours_cls, ours_config, {"prefix_sharing": True})):
+        trainers.append(
+            cls(
+                model=copy.deepcopy(model),
+                args=config(output_dir=str(tmp_path / f"run{len(trainers)}"), **ours, **fields),
+                train_dataset=dataset,
+                eval_dataset=dataset,
+                processing_class=tokenizer,
+                peft_config=copy.deepcopy(peft_config),
+            )
+        )
+    return trainers
+
+
+def loss_and_grads(trainer, examples):
+    """TRL's loss and metrics of one batch, and the gradients of that loss."""
+    trainer.model.train()
+    trainer.model.zero_grad(set_to_none=True)
+    batch = trainer._prepare_inputs(trainer.data_collator(examples))
+    loss, metrics = trainer.get_batch_loss_metrics(trainer.model, batch, train_eval="train")
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    trainer.model.zero_grad(set_to_none=True)
+    return loss.detach(), metrics, grads
+
+
+def assert_same_batch(stock, shared, atol=1e-5, rtol=1e-5):
+    loss, metrics, grads = stock
+    torch.testing.assert_close(shared[0], loss, atol=atol, rtol=rtol)
+    assert len(metrics) >= 9 and set(shared[1]) == set(metrics)
+    for key, value in metrics.items():
+        assert_same_number(shared[1][key], value, f"metric {key}", atol, rtol)
+    assert grads and set(shared[2]) == set(grads)
+    for name, grad in grads.items():
+        assert grad.numel() > 0
+        torch.testing.assert_close(shared[2][name], grad, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_batch_matches_stock(tmp_path, tokenizer, setting):
+    kind, options = SETTINGS[setting]
+    dataset = awkward_text_dataset()
+    stock, shared = make_trainers(tmp_path, kind, tokenizer, dataset, **options)
+    examples = [shared.train_dataset[i] for i in range(len(dataset))]
+    assert_same_batch(loss_and_grads(stock, examples), loss_and_grads(shared, examples))
+
+
+@pytest.mark.parametrize("kind", ["orpo", "cpo"])
+@pytest.mark.parametrize("data", ["conversational", "truncated"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_awkward_data_matches_stock(tmp_path, tokenizer, kind, data, family):
+    options = {"cpo_alpha": 0.5, "loss_type": "simpo"} if kind == "cpo" else {}
+    if data == "truncated":  # TRL's truncation of long rows (the long prompt, the long rejected answer)
+        options.update(max_length=40)
+    dataset = conversational_dataset() if data == "conversational" else awkward_text_dataset()
+    if data == "truncated":  # without the prompt longer than `max_length` (no completion left: NaN losses in stock)
+        dataset = dataset.filter(lambda row: len(row["prompt"].split()) < 30)
+    stock, shared = make_trainers(tmp_path, kind, tokenizer, dataset, family=family, **options)
+    examples = [shared.train_dataset[i] for i in range(len(dataset))]
+    assert_same_batch(loss_and_grads(stock, examples), loss_and_grads(shared, examples))
+
+
+@pytest.mark.parametrize("kind", ["orpo", "cpo"])
+def test_wrong_mask_fails(tmp_path, tokenizer, monkeypatch, kind):
+    dataset = awkward_text_dataset()
+    stock, shared = make_trainers(tmp_path, kind, tokenizer, dataset)
+    examples = [shared.train_dataset[i] for i in range(len(dataset))]
+    expected = loss_and_grads(stock, examples)
+    monkeypatch.setattr(attention_module, "prefix_sharing_mask", leaky_dpo_mask)
+    with pytest.raises(AssertionError):
+        assert_same_batch(expected, loss_and_grads(shared, examples))
+
+
+def train(trainer):
+    """Two optimiser steps, then an evaluation: the log lines and the trained weights."""
+    torch.manual_seed(0)
+    trainer.train()
+    trainer.evaluate()
+    logs = [log for log in trainer.state.log_history if "loss" in log or "eval_loss" in log]
+    return logs, {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+#: log entries that are timings or counters, not numbers of the model
+UNTIMED = ("runtime", "per_second", "epoch", "step", "learning_rate", "grad_norm")
+
+
+@pytest.mark.parametrize("setting", ["orpo", "cpo-simpo-gradient-checkpointing", "orpo-lora"])
+def test_training_matches_stock(tmp_path, tokenizer, setting):
+    kind = setting.split("-")[0]
+    options = {"loss_type": "simpo", "cpo_alpha": 0.5} if "simpo" in setting else {}
+    if "checkpointing" in setting:
+        options["gradient_checkpointing"] = True
+    peft_config = None
+    if "lora" in setting:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        options["learning_rate"] = 1e-2
+    stock, shared = (
+        train(t)
+        for t in make_trainers(tmp_path, kind, tokenizer, conversational_dataset(), peft_config=peft_config, **options)
+    )
+    assert len(stock[0]) == len(shared[0]) == 3  # two training steps, one evaluation
+    compared = 0
+    for a, b in zip(stock[0], shared[0], strict=True):
+        assert set(a) == set(b)
+        for key, value in a.items():
+            if not any(word in key for word in UNTIMED):
+                assert_same_number(b[key], value, key, atol=1e-5, rtol=1e-4)
+                compared += 1
+    assert compared >= 30
+    assert stock[1]
+    for name, value in stock[1].items():
+        torch.testing.assert_close(shared[1][name], value, atol=1e-5, rtol=1e-4)
