@@ -39,6 +39,33 @@ def assert_same_number(got, expected, what: str, atol: float, rtol: float) -> No
     )
 
 
+def train_and_evaluate(trainer):
+    """Train (the config's steps), then evaluate: the log lines and the trained weights."""
+    torch.manual_seed(0)
+    trainer.train()
+    trainer.evaluate()
+    logs = [log for log in trainer.state.log_history if "loss" in log or "eval_loss" in log]
+    return logs, {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+#: words of log entries that are timings or schedule counters, not numbers of the model
+UNTIMED = ("runtime", "per_second", "epoch", "step", "learning_rate", "grad_norm")
+
+
+def assert_same_training(stock, shared, atol=1e-5, rtol=1e-4, min_per_line=8):
+    """`train_and_evaluate` results equal: every logged number of every line (timings aside), and the weights."""
+    assert len(stock[0]) == len(shared[0]) >= 2
+    for expected, got in zip(stock[0], shared[0], strict=True):
+        assert set(expected) == set(got)
+        numbers = [key for key in expected if not any(word in key for word in UNTIMED)]
+        assert len(numbers) >= min_per_line, numbers
+        for key in numbers:
+            assert_same_number(got[key], expected[key], key, atol, rtol)
+    assert stock[1]
+    for name, value in stock[1].items():
+        torch.testing.assert_close(shared[1][name], value, atol=atol, rtol=rtol)
+
+
 def dpo_args(tmp_path, ours: bool | dict | None, **overrides):
     """`ours=None` -> TRL's own `DPOConfig` (stock); a bool -> ours with that `prefix_sharing`; a dict -> ours with
     those fields (`prefix_sharing`, `packing`, ...)."""

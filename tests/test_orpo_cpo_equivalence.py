@@ -8,7 +8,15 @@ import copy
 
 import pytest
 import torch
-from equivalence import CPU_RUN, assert_same_number, awkward_text_dataset, conversational_dataset, leaky_dpo_mask
+from equivalence import (
+    CPU_RUN,
+    assert_same_number,
+    assert_same_training,
+    awkward_text_dataset,
+    conversational_dataset,
+    leaky_dpo_mask,
+    train_and_evaluate,
+)
 from trl.experimental.cpo import CPOConfig as StockCPOConfig
 from trl.experimental.cpo import CPOTrainer as StockCPOTrainer
 from trl.experimental.orpo import ORPOConfig as StockORPOConfig
@@ -124,19 +132,6 @@ def test_wrong_mask_fails(tmp_path, tokenizer, monkeypatch, kind):
         assert_same_batch(expected, loss_and_grads(shared, examples))
 
 
-def train(trainer):
-    """Two optimiser steps, then an evaluation: the log lines and the trained weights."""
-    torch.manual_seed(0)
-    trainer.train()
-    trainer.evaluate()
-    logs = [log for log in trainer.state.log_history if "loss" in log or "eval_loss" in log]
-    return logs, {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-
-
-#: log entries that are timings or counters, not numbers of the model
-UNTIMED = ("runtime", "per_second", "epoch", "step", "learning_rate", "grad_norm")
-
-
 @pytest.mark.parametrize("setting", ["orpo", "cpo-simpo-gradient-checkpointing", "orpo-lora"])
 def test_training_matches_stock(tmp_path, tokenizer, setting):
     kind = setting.split("-")[0]
@@ -150,18 +145,7 @@ def test_training_matches_stock(tmp_path, tokenizer, setting):
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
         options["learning_rate"] = 1e-2
     stock, shared = (
-        train(t)
+        train_and_evaluate(t)
         for t in make_trainers(tmp_path, kind, tokenizer, conversational_dataset(), peft_config=peft_config, **options)
     )
-    assert len(stock[0]) == len(shared[0]) == 3  # two training steps, one evaluation
-    compared = 0
-    for a, b in zip(stock[0], shared[0], strict=True):
-        assert set(a) == set(b)
-        for key, value in a.items():
-            if not any(word in key for word in UNTIMED):
-                assert_same_number(b[key], value, key, atol=1e-5, rtol=1e-4)
-                compared += 1
-    assert compared >= 30
-    assert stock[1]
-    for name, value in stock[1].items():
-        torch.testing.assert_close(shared[1][name], value, atol=1e-5, rtol=1e-4)
+    assert_same_training(stock, shared)

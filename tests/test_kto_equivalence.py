@@ -1,0 +1,201 @@
+"""KTO with prefix sharing against TRL's own `KTOTrainer`, in the same process, fp32 on the CPU: the policy and
+reference log-probs, the `kl` term, the loss, every logged metric, the gradients and the weights after training, with
+the policy's KL rows merged into its gradient pass and apart."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import trl
+from datasets import Dataset
+from equivalence import (
+    CPU_RUN,
+    assert_same_number,
+    assert_same_training,
+    awkward_text_dataset,
+    conversational_dataset,
+    leaky_dpo_mask,
+    train_and_evaluate,
+)
+
+import trl_prefix_sharing.attention as attention_module
+from trl_prefix_sharing import KTOConfig, KTOTrainer
+from trl_prefix_sharing.testing import make_model
+
+
+def unpaired_dataset(conversational: bool = False) -> Dataset:
+    """Desirable and undesirable rows mixed within each batch of 4, a prompt twice in one batch (from the paired
+    corner cases: one-token prompt, identical and empty completions, a long prompt, a long completion)."""
+    paired = (conversational_dataset() if conversational else awkward_text_dataset()).to_list()
+    rows = []
+    for i, pair in enumerate(paired):
+        rows.append({"prompt": pair["prompt"], "completion": pair["chosen"], "label": True})
+        if i % 2 == 0:  # the rejected answer right after, in the same batch
+            rows.append({"prompt": pair["prompt"], "completion": pair["rejected"], "label": False})
+    return Dataset.from_list(rows)
+
+
+def make_trainers(tmp_path, tokenizer, dataset, family="llama", peft_config=None, ours=None, **options):
+    """(stock TRL trainer, ours with `prefix_sharing=True` and `ours`) from identical weights and data."""
+    model = make_model(family, len(tokenizer), seed=0)
+    ref = None if peft_config is not None else make_model(family, len(tokenizer), seed=1)
+    fields = dict(
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        learning_rate=1e-3,
+        max_steps=2,
+        **CPU_RUN,
+    )
+    fields.update(options)
+    trainers = []
+    for cls, config, extra in (
+        (trl.KTOTrainer, trl.KTOConfig, {}),
+        (KTOTrainer, KTOConfig, {"prefix_sharing": True, **(ours or {})}),
+    ):
+        trainers.append(
+            cls(
+                model=copy.deepcopy(model),
+                ref_model=copy.deepcopy(ref),
+                args=config(output_dir=str(tmp_path / f"run{len(trainers)}"), **extra, **fields),
+                train_dataset=dataset,
+                eval_dataset=dataset,
+                processing_class=tokenizer,
+                peft_config=copy.deepcopy(peft_config),
+            )
+        )
+    return trainers
+
+
+def kto_step(trainer, examples):
+    """TRL's loss, metrics and gradients of one batch, and the reference log-probs of the same batch."""
+    trainer.model.train()
+    trainer.model.zero_grad(set_to_none=True)
+    trainer._metrics["train"].clear()
+    batch = trainer._prepare_inputs(trainer.data_collator(examples))
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    trainer.model.zero_grad(set_to_none=True)
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    ref = trainer.compute_ref_log_probs(trainer.ref_model or trainer.model, batch)
+    return loss.detach(), metrics, grads, ref
+
+
+def assert_same_step(stock, shared, atol=1e-5, rtol=1e-5):
+    loss, metrics, grads, ref = stock
+    torch.testing.assert_close(shared[0], loss, atol=atol, rtol=rtol)
+    assert len(metrics) >= 8 and set(shared[1]) == set(metrics), (metrics, shared[1])
+    for key, value in metrics.items():
+        assert_same_number(shared[1][key], value, f"metric {key}", atol, rtol)
+    assert grads and set(shared[2]) == set(grads)
+    for name, grad in grads.items():
+        assert grad.numel() > 0
+        torch.testing.assert_close(shared[2][name], grad, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+    for got, expected in zip(shared[3], ref, strict=True):
+        if expected is not None:
+            assert expected.numel() > 0
+            torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
+
+
+def first_batch(trainer) -> list[dict]:
+    """The first training batch as TRL's sequential sampler draws it (its KL completions were rotated within it)."""
+    return [trainer.train_dataset[i] for i in range(trainer.args.per_device_train_batch_size)]
+
+
+SETTINGS = {
+    "kto-merged": ({"loss_type": "kto"}, {"prefix_sharing_merge_kl": True}),
+    "kto-apart": ({"loss_type": "kto"}, {"prefix_sharing_merge_kl": False}),
+    "kto-auto": ({"loss_type": "kto"}, {}),
+    "apo-zero-unpaired": ({"loss_type": "apo_zero_unpaired"}, {}),
+    "precomputed-reference": ({"precompute_ref_log_probs": True}, {"prefix_sharing_merge_kl": True}),
+    "truncated": ({"max_length": 12}, {"prefix_sharing_merge_kl": True}),
+    "weights": ({"desirable_weight": 1.5, "undesirable_weight": 0.5, "beta": 0.3}, {}),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_batch_matches_stock(tmp_path, tokenizer, setting):
+    options, ours = SETTINGS[setting]
+    stock, shared = make_trainers(tmp_path, tokenizer, unpaired_dataset(), ours=ours, **options)
+    kls = []
+    for start in (0, 4):  # the first two batches
+        examples = [shared.train_dataset[i] for i in range(start, start + 4)]
+        expected = kto_step(stock, examples)
+        assert_same_step(expected, kto_step(shared, examples))
+        kls.append(expected[1]["kl"])
+    if options.get("loss_type", "kto") == "kto":
+        assert max(kls) > 0  # the `kl` term (clamped at 0) is compared where it is not the clamp
+
+
+def count_backbone_calls(trainer) -> dict:
+    """Calls of the models' backbones and the positions they computed (their `input_ids` elements)."""
+    counts = {"calls": 0, "positions": 0}
+
+    def hook(module, args, kwargs):
+        counts["calls"] += 1
+        counts["positions"] += kwargs["input_ids"].numel()
+
+    for model in (trainer.model, trainer.ref_model):
+        model.model.register_forward_pre_hook(hook, with_kwargs=True)
+    return counts
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_passes_and_positions(tmp_path, tokenizer, merge):
+    """Stock: four passes per step (policy KL, policy, reference KL, reference). Shared: the reference's two as one,
+    and the policy's two as one when merged; fewer positions either way on long prompts."""
+    prompt = " ".join(f"w{i}" for i in range(100, 160))
+    rows = [{"prompt": prompt + f" w{i}", "completion": f" w{i} w{i + 1}", "label": i % 2 == 0} for i in range(4)]
+    stock, shared = make_trainers(
+        tmp_path, tokenizer, Dataset.from_list(rows), ours={"prefix_sharing_merge_kl": merge}
+    )
+    examples = first_batch(shared)
+    counts = [count_backbone_calls(trainer) for trainer in (stock, shared)]
+    for trainer in (stock, shared):
+        batch = trainer._prepare_inputs(trainer.data_collator(examples))
+        trainer.compute_loss(trainer.model, batch).backward()
+    assert counts[0]["calls"] == 4 and counts[1]["calls"] == (2 if merge else 3)
+    assert counts[1]["positions"] < (0.6 if merge else 0.8) * counts[0]["positions"], counts
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+@pytest.mark.parametrize("merge", [True, False])
+def test_conversational_matches_stock(tmp_path, tokenizer, family, merge):
+    stock, shared = make_trainers(
+        tmp_path,
+        tokenizer,
+        unpaired_dataset(conversational=True),
+        family=family,
+        ours={"prefix_sharing_merge_kl": merge},
+    )
+    examples = first_batch(shared)
+    assert_same_step(kto_step(stock, examples), kto_step(shared, examples))
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_wrong_mask_fails(tmp_path, tokenizer, monkeypatch, merge):
+    stock, shared = make_trainers(tmp_path, tokenizer, unpaired_dataset(), ours={"prefix_sharing_merge_kl": merge})
+    examples = first_batch(shared)
+    expected = kto_step(stock, examples)
+    monkeypatch.setattr(attention_module, "prefix_sharing_mask", leaky_dpo_mask)
+    with pytest.raises(AssertionError):
+        assert_same_step(expected, kto_step(shared, examples))
+
+
+@pytest.mark.parametrize("setting", ["default", "gradient-checkpointing", "lora", "precomputed-reference"])
+def test_training_matches_stock(tmp_path, tokenizer, setting):
+    options, peft_config = {}, None
+    if setting == "gradient-checkpointing":
+        options["gradient_checkpointing"] = True
+    if setting == "precomputed-reference":
+        options["precompute_ref_log_probs"] = True
+    if setting == "lora":
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        options["learning_rate"] = 1e-2
+    trainers = make_trainers(tmp_path, tokenizer, unpaired_dataset(), peft_config=peft_config, **options)
+    stock, shared = (train_and_evaluate(trainer) for trainer in trainers)
+    assert_same_training(stock, shared)

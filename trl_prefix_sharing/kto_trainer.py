@@ -1,0 +1,286 @@
+"""`KTOTrainer`: TRL's KTO trainer, computing each example's prompt once for its main and KL rows
+(`args.prefix_sharing`).
+
+Stock KTO runs every prompt twice per model: in its main row ``[prompt | completion]`` and in its KL row ``[prompt |
+the completion of the example before it]`` (TRL rotates the completions within each ``per_device_train_batch_size``
+chunk of the dataset, which is why KTO trains in sequential order). With prefix sharing:
+
+- the **reference** pass (in the training step, and TRL's `precompute_ref_log_probs`) and every pass without gradients
+  (evaluation) run the main and KL rows of a micro-batch as one trie, both completions after one copy of the prompt:
+  ``(2P + 2C) / (P + 2C)`` fewer positions;
+- the **policy** pass either does the same inside its gradient pass (the KL rows then go through backward too, without
+  contributing a gradient: worth it when prompts are long) or runs the KL rows and the main rows apart, each as its own
+  trie (duplicate prompts shared). `prefix_sharing_merge_kl` chooses; by default each batch is merged when its prompt
+  tokens exceed twice its KL completion tokens (measured in `docs/benchmarks/kto_orpo_cpo_cpu.md`).
+
+The layouts are exact only within stock's own micro-batches, which is what they are built on: no regrouping and no
+packing (the KL rows and the `kl` batch statistic depend on which examples share a micro-batch).
+
+TRL's `_compute_loss` calls its models without a layout; the trainer routes each fused call by the stock tensor it
+holds (`PrefixSharing.router`): the main rows' ``input_ids`` or the KL rows'. A merged pass is run by the first of the
+two calls and the other one gets its part of the result: the main call of the training step fills in the KL log-probs
+that TRL's `_compute_kl_logps` (overridden here) returned as a placeholder; in TRL's `compute_ref_log_probs` the main
+call runs first and the KL call gets its stored result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+import trl
+
+from .config import _SHARING_DOC, PrefixSharingArguments
+from .forward import unwrap_model
+from .layout import prompt_lengths_from_completion_mask
+from .sharing import PrefixSharingMixin
+from .trl_internals import check_trl_internals
+
+
+__all__ = ["KTOConfig", "KTOTrainer"]
+
+check_trl_internals("kto")
+
+#: the auto rule: merge the policy's KL rows into its gradient pass when the batch's prompt tokens exceed this many
+#: times its KL completion tokens (merging saves a forward over the prompts and costs a backward over the KL
+#: completions, about twice a forward)
+MERGE_PROMPT_RATIO = 2.0
+
+
+@dataclass
+class KTOConfig(trl.KTOConfig, PrefixSharingArguments):
+    __doc__ = (
+        "Configuration class for [`trl_prefix_sharing.KTOTrainer`]: every parameter of [`trl.KTOConfig`], plus the "
+        "ones below. With `prefix_sharing=False` training is exactly TRL's.\n"
+        + _SHARING_DOC
+        + """    prefix_sharing_merge_kl (`bool` or `None`, *optional*, defaults to `None`):
+        Whether the policy's gradient pass also computes the KL rows (each example's prompt computed once for both;
+        the KL completions then go through backward without contributing a gradient), instead of a separate pass
+        without gradients. `None`: per batch, when its prompt tokens exceed twice its KL completion tokens (one host
+        read per step). Passes without gradients (the reference, evaluation) always merge. The numbers are the same
+        either way.
+"""
+    )
+
+    prefix_sharing_merge_kl: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Compute the policy's KL rows in its gradient pass, after the same prompts (True), in a separate "
+            "pass without gradients (False), or per batch when prompts outweigh twice the KL completions (None)."
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._check_prefix_sharing_arguments()
+
+
+class _Rows:
+    """Stock rows of a KTO batch: ``input_ids``, ``attention_mask`` and ``completion_mask`` (right-padded)."""
+
+    def __init__(self, input_ids, attention_mask, completion_mask):
+        self.input_ids, self.attention_mask, self.completion_mask = input_ids, attention_mask, completion_mask
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return self.input_ids.masked_fill(self.completion_mask == 0, -100)  # TRL's completion labels
+
+    def padded(self, width: int, pad_token_id: int) -> _Rows:
+        extra = width - self.input_ids.shape[1]
+        return _Rows(
+            F.pad(self.input_ids, (0, extra), value=pad_token_id),
+            F.pad(self.attention_mask, (0, extra)),
+            F.pad(self.completion_mask, (0, extra)),
+        )
+
+
+class _SharedKTOBatch:
+    """One batch's main and KL rows, their layouts (built on first use, shared by the policy and reference passes),
+    and the results a merged pass leaves for the other call of the pair (keyed by the model that ran it)."""
+
+    def __init__(self, sharing, batch: dict, stash_kl: bool):
+        self.sharing = sharing
+        self.main = _Rows(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+        self.kl = None
+        if "KL_input_ids" in batch:
+            self.kl = _Rows(batch["KL_input_ids"], batch["KL_attention_mask"], batch["KL_completion_mask"])
+        self.stash_kl = stash_kl  # a main call without gradients runs both (TRL's `compute_ref_log_probs`)
+        self._layouts: dict = {}
+        self.pending: dict = {}  # model -> placeholder KL log-probs the next main call fills in
+        self.answers: dict = {}  # model -> KL output of a merged pass, for the next KL call
+
+    def _layout(self, name: str) -> dict:
+        if name not in self._layouts:
+            if name == "merged":
+                rows, examples = self.merged_rows(), torch.arange(self.main.input_ids.shape[0]).repeat(2)
+                examples = examples.to(rows.input_ids.device)
+            else:
+                rows, examples = getattr(self, name), None
+            self._layouts[name] = self.sharing.layout(
+                rows.input_ids,
+                rows.attention_mask,
+                prompt_lengths=prompt_lengths_from_completion_mask(rows.attention_mask, rows.completion_mask),
+                examples=examples,
+            )
+        return self._layouts[name]
+
+    def merged_rows(self) -> _Rows:
+        """Main rows then KL rows, right-padded to one width: row i and row B + i are example i."""
+        if "merged_rows" not in self._layouts:
+            width = max(self.main.input_ids.shape[1], self.kl.input_ids.shape[1])
+            main, kl = (rows.padded(width, self.sharing.pad_token_id) for rows in (self.main, self.kl))
+            self._layouts["merged_rows"] = _Rows(
+                *(
+                    torch.cat(pair)
+                    for pair in zip(
+                        (main.input_ids, main.attention_mask, main.completion_mask),
+                        (kl.input_ids, kl.attention_mask, kl.completion_mask),
+                        strict=True,
+                    )
+                )
+            )
+        return self._layouts["merged_rows"]
+
+    def route(self, model, kwargs: dict):
+        """The layout of a fused call's rows, or its part of a merged pass (see the module docstring)."""
+        input_ids = kwargs.get("input_ids")
+        if input_ids is self.main.input_ids:
+            if model in self.pending:
+                return self._merged(model, kwargs, fill=self.pending.pop(model))
+            if self.kl is not None and self.stash_kl and not torch.is_grad_enabled():
+                return self._merged(model, kwargs, fill=None)
+            return self._layout("main")
+        if self.kl is not None and input_ids is self.kl.input_ids:
+            answer = self.answers.pop(model, None)
+            return answer if answer is not None else self._layout("kl")
+        return None  # rows this batch does not hold: stock
+
+    def defer_kl(self, model) -> torch.Tensor:
+        """A placeholder for the KL log-probs of ``model``, filled in by its next main call (a merged pass)."""
+        placeholder = torch.zeros(self.kl.input_ids.shape[0], device=self.kl.input_ids.device)
+        self.pending[model] = placeholder
+        return placeholder
+
+    def _merged(self, model, kwargs: dict, fill: torch.Tensor | None):
+        """Main and KL rows in one pass (with gradients if the main call has them); the main part returned, the KL
+        part's log-prob sums written to ``fill`` or kept for the next KL call."""
+        from trl.trainer.utils import FusedCausalLMOutput
+
+        rows = self.merged_rows()
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "labels")}
+        outputs = model(
+            input_ids=rows.input_ids,
+            attention_mask=rows.attention_mask,
+            labels=rows.labels,
+            prefix_sharing=self._layout("merged"),
+            **kwargs,
+        )
+        num = self.main.input_ids.shape[0]
+        main_columns, kl_columns = self.main.input_ids.shape[1] - 1, self.kl.input_ids.shape[1] - 1
+
+        def part(value, rows_slice, columns):
+            return None if value is None else value[rows_slice, :columns]
+
+        fields = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
+        main = {name: part(getattr(outputs, name), slice(None, num), main_columns) for name in fields}
+        kl = {name: part(getattr(outputs, name), slice(num, None), kl_columns) for name in fields}
+        if fill is not None:
+            fill.copy_(kl["log_probs"].detach().sum(-1))
+        else:
+            self.answers[model] = FusedCausalLMOutput(**kl)
+        count = main["label_mask"].sum().clamp(min=1)
+        return FusedCausalLMOutput(loss=-main["log_probs"].sum() / count, aux_loss=outputs.aux_loss, **main)
+
+
+class KTOTrainer(PrefixSharingMixin, trl.KTOTrainer):
+    """TRL's [`trl.KTOTrainer`], computing each prompt once for its main and KL rows when `args.prefix_sharing=True`
+    (see the module docstring). Takes exactly the arguments of [`trl.KTOTrainer`]; the policy and reference log-probs,
+    the `kl` term, the loss (`loss_type` `"kto"` and `"apo_zero_unpaired"`), the gradients and every logged metric
+    equal stock TRL's to float precision. Text data (plain or conversational)."""
+
+    _config_class = KTOConfig
+
+    def __init__(
+        self,
+        model,
+        ref_model=None,
+        args=None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+    ):
+        self._init_prefix_sharing(model, args, processing_class, peft_config)
+        self._shared_batch = None
+        super().__init__(
+            model=model,
+            ref_model=ref_model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+        )
+        self._setup_prefix_sharing()
+
+    @contextlib.contextmanager
+    def _routing(self, inputs, stash_kl: bool = False):
+        """Within the block, the models' fused calls on this batch's rows run on its layouts."""
+        if self.sharing is None:
+            yield
+            return
+        if self._is_vision_dataset:
+            raise ValueError("Prefix sharing for KTO is text-only; train vision data with `prefix_sharing=False`.")
+        self._shared_batch = _SharedKTOBatch(self.sharing, inputs, stash_kl)
+        self.sharing.router = self._route
+        try:
+            yield
+        finally:
+            self.sharing.router = None
+            self._shared_batch = None
+
+    def _route(self, model, kwargs):
+        return None if self._shared_batch is None else self._shared_batch.route(unwrap_model(model), kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        with self._routing(inputs):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def compute_ref_log_probs(self, model, inputs):
+        self._setup_prefix_sharing()  # TRL precomputes from inside `__init__`
+        with self._routing(inputs, stash_kl=True):
+            return super().compute_ref_log_probs(model, inputs)
+
+    def _compute_kl_logps(self, model, batch):
+        shared = self._shared_batch
+        if shared is None or not self.calculate_KL or not self._merge_kl(shared):
+            return super()._compute_kl_logps(model, batch)  # routed to the KL rows' own layout
+        return shared.defer_kl(unwrap_model(model))
+
+    def _merge_kl(self, shared: _SharedKTOBatch) -> bool:
+        """Whether this KL pass rides along the next main call: always without gradients (the reference, evaluation);
+        for the policy's gradient pass, `prefix_sharing_merge_kl` (None: prompts outweigh twice the KL completions;
+        never when the main call returns a router loss, which covers its own rows only)."""
+        if not torch.is_grad_enabled():
+            return True
+        if self.aux_loss_enabled:
+            return False
+        choice = self.args.prefix_sharing_merge_kl
+        if choice is not None:
+            return choice
+        prompt = (shared.main.attention_mask.bool() & (shared.main.completion_mask == 0)).sum()
+        completion = shared.kl.completion_mask.sum()
+        prompt, completion = torch.stack([prompt, completion]).tolist()
+        return prompt > MERGE_PROMPT_RATIO * completion
