@@ -190,8 +190,9 @@ def test_bf16_log_probs_within_bf16_tolerance(tmp_path, tokenizer, family):
 
 @pytest.mark.parametrize("kind", list(MIXED_PRECISION_TRAINERS))
 def test_bf16_autocast_passes_run_in_stocks_dtype(tmp_path, tokenizer, kind):
-    """`bf16=True` (TRL's default): DPO, reward, GRPO, RLOO and online DPO run their policy and reference passes in
-    stock's dtype through FlexAttention, and the first step logs stock's numbers (online DPO's first KL exactly 0)."""
+    """`bf16=True` (TRL's default): DPO, reward, GRPO, RLOO, online DPO, KTO, ORPO and CPO run their policy and
+    reference passes in stock's dtype through FlexAttention, and the first step logs stock's numbers (online DPO's
+    first KL exactly 0)."""
     check_passes_in_stocks_dtype(
         tmp_path, tokenizer, kind, model_kwargs=CUDA_SIZES, atol=BF16["atol"], rtol=1e-2, **ON_GPU
     )

@@ -37,10 +37,21 @@ def unpaired_dataset(conversational: bool = False) -> Dataset:
     return Dataset.from_list(rows)
 
 
-def make_trainers(tmp_path, tokenizer, dataset, family="llama", peft_config=None, ours=None, **options):
-    """(stock TRL trainer, ours with `prefix_sharing=True` and `ours`) from identical weights and data."""
-    model = make_model(family, len(tokenizer), seed=0)
-    ref = None if peft_config is not None else make_model(family, len(tokenizer), seed=1)
+def make_trainers(
+    tmp_path,
+    tokenizer,
+    dataset,
+    family="llama",
+    peft_config=None,
+    ours=None,
+    config_kwargs=None,
+    weights=torch.float32,
+    **options,
+):
+    """(stock TRL trainer, ours with `prefix_sharing=True` and `ours`) from identical `weights`-dtype models."""
+    model = make_model(family, len(tokenizer), seed=0, **(config_kwargs or {})).to(weights)
+    ref = None if peft_config is not None else make_model(family, len(tokenizer), seed=1, **(config_kwargs or {}))
+    ref = None if ref is None else ref.to(weights)
     fields = dict(
         per_device_train_batch_size=4,
         per_device_eval_batch_size=4,

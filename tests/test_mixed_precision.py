@@ -105,7 +105,38 @@ def _group(kind):
     return build
 
 
-TRAINERS = {"dpo": _dpo, "reward": _reward, "grpo": _group("grpo"), "rloo": _group("rloo"), "online_dpo": _online_dpo}
+def _paired(kind):
+    """KTO (with a reference), ORPO and CPO-SimPO (without one), from the trainer modules' own test builders."""
+
+    def build(ours, tmp_path, tokenizer, weights=torch.float32, model_kwargs=None, **overrides):
+        import test_kto_equivalence
+        import test_orpo_cpo_equivalence
+
+        options = {"max_steps": 1, "learning_rate": 1e-3, "config_kwargs": model_kwargs, "weights": weights}
+        if kind == "kto":
+            pair = test_kto_equivalence.make_trainers(
+                tmp_path, tokenizer, test_kto_equivalence.unpaired_dataset(), **options, **overrides
+            )
+        else:
+            extra = {"loss_type": "simpo", "cpo_alpha": 0.5} if kind == "cpo" else {}
+            pair = test_orpo_cpo_equivalence.make_trainers(
+                tmp_path, kind, tokenizer, awkward_text_dataset(), family=FAMILY, **options, **extra, **overrides
+            )
+        return pair[1] if ours else pair[0]
+
+    return build
+
+
+TRAINERS = {
+    "dpo": _dpo,
+    "reward": _reward,
+    "grpo": _group("grpo"),
+    "rloo": _group("rloo"),
+    "online_dpo": _online_dpo,
+    "kto": _paired("kto"),
+    "orpo": _paired("orpo"),
+    "cpo": _paired("cpo"),
+}
 
 
 def _record_query_dtypes(trainer) -> dict:
@@ -151,7 +182,7 @@ def check_passes_in_stocks_dtype(
         )
         for ours in (False, True)
     )
-    expected_roles = {"policy"} if kind == "reward" else {"policy", "reference"}
+    expected_roles = {"policy"} if kind in ("reward", "orpo", "cpo") else {"policy", "reference"}
     assert set(stock_dtypes) == expected_roles and all(dtypes == {torch.bfloat16} for dtypes in stock_dtypes.values())
     assert shared_dtypes == stock_dtypes
     assert _assert_same_first_step(stock_log, shared_log, atol=atol, rtol=rtol) >= 4

@@ -15,11 +15,15 @@ unchanged.
 from __future__ import annotations
 
 import torch
+from transformers.utils import logging
 
+from .forward import stock_logits_dtype
 from .sharing import PrefixSharingMixin
 
 
 __all__ = ["ConcatenatedSharingMixin", "masked_mean"]
+
+logger = logging.get_logger(__name__)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
@@ -41,6 +45,15 @@ class ConcatenatedSharingMixin(PrefixSharingMixin):
         self._init_prefix_sharing(model, args, processing_class, kwargs.get("peft_config"))
         super().__init__(model, args, *more, **kwargs)
         self._setup_prefix_sharing()
+        if self.prefix_sharing and not (self.args.bf16 or self.args.fp16):
+            if stock_logits_dtype(self.model) != torch.float32:
+                logger.warning(
+                    f"{type(self).__name__}: half-precision weights without autocast (`bf16=False`, `fp16=False`). "
+                    "Stock TRL then takes its log-probs from half-precision logits; with prefix sharing TRL's fused "
+                    "head computes them in float32 from the same hidden states, so the logged log-probs and losses "
+                    "differ from stock's at half-precision resolution (they are the more precise ones). Set "
+                    "`bf16=True` (or `fp16=True`) for stock's numbers, or load float32 weights."
+                )
 
     @property
     def _padding_value(self) -> int:

@@ -36,6 +36,7 @@ __all__ = [
     "unwrap_model",
     "check_layout_matches",
     "wrapped_in_mixed_precision",
+    "stock_logits_dtype",
 ]
 
 _ORIGINAL = "_prefix_sharing_original_forward"
@@ -65,6 +66,15 @@ def wrapped_in_mixed_precision(model) -> bool:
     """Whether accelerate's native mixed precision wraps the forward of ``model`` or of a module under it: its calls
     then run in autocast and return float32 outputs (accelerate's `convert_outputs_to_fp32`)."""
     return any(_ACCELERATE_UNWRAPPED_FORWARD in module.__dict__ for module in _wrappers(model))
+
+
+def stock_logits_dtype(model) -> torch.dtype:
+    """The dtype of the logits stock's `model(...)` returns, which its `log_softmax` runs in: float32 behind
+    accelerate's mixed-precision wrapper (it converts the outputs), otherwise the LM head's dtype."""
+    if wrapped_in_mixed_precision(model):
+        return torch.float32
+    weight = unwrap_model(model).get_output_embeddings().weight
+    return weight.dtype if weight.is_floating_point() else torch.float32
 
 
 def check_layout_matches(layout: dict, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:

@@ -19,7 +19,7 @@ from trl.experimental.online_dpo import OnlineDPOConfig as _TRLOnlineDPOConfig
 from trl.experimental.online_dpo import OnlineDPOTrainer as _TRLOnlineDPOTrainer
 
 from .config import _SHARING_DOC, PrefixSharingArguments
-from .forward import unwrap_model, wrapped_in_mixed_precision
+from .forward import stock_logits_dtype
 from .sharing import PrefixSharingMixin
 from .trl_internals import check_trl_internals
 
@@ -100,12 +100,3 @@ class OnlineDPOTrainer(PrefixSharingMixin, _TRLOnlineDPOTrainer):
             prefix_sharing=layout,
         )
         return outputs.log_probs[:, prompt_length - 1 :]
-
-
-def stock_logits_dtype(model) -> torch.dtype:
-    """The dtype of the logits stock's `model(...)` returns, which its `log_softmax` runs in: float32 behind
-    accelerate's mixed-precision wrapper (it converts the outputs), otherwise the LM head's dtype."""
-    if wrapped_in_mixed_precision(model):
-        return torch.float32
-    weight = unwrap_model(model).get_output_embeddings().weight
-    return weight.dtype if weight.is_floating_point() else torch.float32
