@@ -210,3 +210,22 @@ def test_training_matches_stock(tmp_path, tokenizer, setting):
     trainers = make_trainers(tmp_path, tokenizer, unpaired_dataset(), peft_config=peft_config, **options)
     stock, shared = (train_and_evaluate(trainer) for trainer in trainers)
     assert_same_training(stock, shared)
+
+
+def test_moe_router_loss_matches_stock(tmp_path, tokenizer):
+    """A mixture-of-experts policy whose config asks for router logits: TRL adds the load-balancing loss of the main
+    rows, so the policy's KL rows stay apart (`prefix_sharing_merge_kl=True` notwithstanding); the reference merges."""
+    config_kwargs = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
+    stock, shared = make_trainers(
+        tmp_path,
+        tokenizer,
+        unpaired_dataset(),
+        family="mixtral",
+        config_kwargs=config_kwargs,
+        ours={"prefix_sharing_merge_kl": True},
+    )
+    assert shared.aux_loss_enabled
+    examples = first_batch(shared)
+    expected = kto_step(stock, examples)
+    assert "aux_loss" in expected[1]
+    assert_same_step(expected, kto_step(shared, examples))

@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from datasets import Dataset
 from equivalence import (
     CPU_RUN,
     assert_same_number,
@@ -168,3 +169,41 @@ def test_half_precision_weights_without_autocast_differ_by_rounding(tmp_path, to
     assert_same_number(got_metrics["logps/chosen"], metrics["logps/chosen"], "logps/chosen", atol=0, rtol=2e-2)
     with pytest.raises(AssertionError):  # not stock's to float precision: a documented difference
         assert_same_number(got_metrics["logps/chosen"], metrics["logps/chosen"], "logps/chosen", atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["orpo", "cpo"])
+def test_moe_router_loss_matches_stock(tmp_path, tokenizer, kind):
+    """A mixture-of-experts model whose config asks for router logits: TRL adds the load-balancing loss of the stock
+    rows, which the shared forward computes over the stock positions."""
+    dataset = awkward_text_dataset()
+    config_kwargs = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
+    stock, shared = make_trainers(tmp_path, kind, tokenizer, dataset, family="mixtral", config_kwargs=config_kwargs)
+    assert shared.aux_loss_enabled
+    examples = [shared.train_dataset[i] for i in range(len(dataset))]
+    assert_same_batch(loss_and_grads(stock, examples), loss_and_grads(shared, examples))
+
+
+@pytest.mark.parametrize("kind", ["orpo", "cpo"])
+def test_fewer_positions_and_no_logits(tmp_path, tokenizer, kind):
+    """On long prompts the backbone computes clearly fewer positions than stock's, and the LM head module is never
+    called on them (TRL's fused head scores them in chunks: no `[2B, L, vocab]` logits), where stock calls it once."""
+    prompt = " ".join(f"w{i}" for i in range(100, 160))
+    rows = [{"prompt": prompt + f" w{i}", "chosen": f" w{i} w{i + 1}", "rejected": f" w{i + 2}"} for i in range(4)]
+    dataset = Dataset.from_list(rows)
+    stock, shared = make_trainers(tmp_path, kind, tokenizer, dataset)
+    examples = [shared.train_dataset[i] for i in range(len(dataset))]
+    counts = []
+    for trainer in (stock, shared):
+        seen = {"positions": 0, "head": 0}
+        trainer.model.model.register_forward_pre_hook(
+            lambda module, args, kwargs, seen=seen: seen.__setitem__(
+                "positions",
+                seen["positions"] + (kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).numel(),
+            ),
+            with_kwargs=True,
+        )
+        trainer.model.lm_head.register_forward_hook(lambda *_, seen=seen: seen.__setitem__("head", seen["head"] + 1))
+        loss_and_grads(trainer, examples)
+        counts.append(seen)
+    assert counts[0]["head"] == 1 and counts[1]["head"] == 0
+    assert counts[1]["positions"] < 0.6 * counts[0]["positions"], counts
