@@ -198,8 +198,8 @@ def test_wrong_mask_fails(tmp_path, tokenizer, monkeypatch, merge):
 @pytest.mark.parametrize("setting", ["default", "gradient-checkpointing", "lora", "precomputed-reference"])
 def test_training_matches_stock(tmp_path, tokenizer, setting):
     options, peft_config = {}, None
-    if setting == "gradient-checkpointing":
-        options["gradient_checkpointing"] = True
+    if setting == "gradient-checkpointing":  # the policy's KL rows in its recomputed gradient pass
+        options.update(gradient_checkpointing=True, ours={"prefix_sharing_merge_kl": True})
     if setting == "precomputed-reference":
         options["precompute_ref_log_probs"] = True
     if setting == "lora":
