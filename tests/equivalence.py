@@ -113,6 +113,28 @@ def make_trainers(
     return trainers
 
 
+def backward_grads(model, loss) -> dict:
+    """`loss.backward()`: the gradients by name (copies), then the model's gradients cleared."""
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def assert_same_loss_metrics_grads(stock, shared, atol=1e-5, rtol=1e-5, min_metrics=1) -> None:
+    """`(loss, metrics, grads)` of a batch equal to stock's: the loss, every metric stock logged (at least
+    `min_metrics`, the same keys), every gradient (non-empty, the same parameters)."""
+    (loss, metrics, grads), (got_loss, got_metrics, got_grads) = stock[:3], shared[:3]
+    torch.testing.assert_close(got_loss, loss, atol=atol, rtol=rtol)
+    assert len(metrics) >= min_metrics and set(got_metrics) == set(metrics), (metrics, got_metrics)
+    for key, value in metrics.items():
+        assert_same_number(got_metrics[key], value, f"metric {key}", atol, rtol)
+    assert grads and set(got_grads) == set(grads)
+    for name, grad in grads.items():
+        assert grad.numel() > 0
+        torch.testing.assert_close(got_grads[name], grad, atol=atol, rtol=rtol, msg=lambda m, n=name: f"grad {n}: {m}")
+
+
 def step(trainer, examples):
     """One training loss + backward on `examples`: loss, gradients by name, per-pair policy log-probs, metrics."""
     trainer.model.train()
@@ -120,11 +142,9 @@ def step(trainer, examples):
     trainer._metrics["train"].clear()
     batch = trainer._prepare_inputs(trainer.data_collator(examples))
     loss = trainer.compute_loss(trainer.model, batch)
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    grads = backward_grads(trainer.model, loss)
     chosen, rejected = trainer.compute_ref_log_probs(trainer.model, batch)
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-    trainer.model.zero_grad(set_to_none=True)
     return {
         "loss": loss.detach(),
         "grads": grads,

@@ -12,9 +12,10 @@ import trl
 from datasets import Dataset
 from equivalence import (
     CPU_RUN,
-    assert_same_number,
+    assert_same_loss_metrics_grads,
     assert_same_training,
     awkward_text_dataset,
+    backward_grads,
     conversational_dataset,
     leaky_dpo_mask,
     train_and_evaluate,
@@ -86,24 +87,16 @@ def kto_step(trainer, examples):
     trainer._metrics["train"].clear()
     batch = trainer._prepare_inputs(trainer.data_collator(examples))
     loss = trainer.compute_loss(trainer.model, batch)
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    trainer.model.zero_grad(set_to_none=True)
+    grads = backward_grads(trainer.model, loss)
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     ref = trainer.compute_ref_log_probs(trainer.ref_model or trainer.model, batch)
     return loss.detach(), metrics, grads, ref
 
 
 def assert_same_step(stock, shared, atol=1e-5, rtol=1e-5):
-    loss, metrics, grads, ref = stock
-    torch.testing.assert_close(shared[0], loss, atol=atol, rtol=rtol)
-    assert len(metrics) >= 8 and set(shared[1]) == set(metrics), (metrics, shared[1])
-    for key, value in metrics.items():
-        assert_same_number(shared[1][key], value, f"metric {key}", atol, rtol)
-    assert grads and set(shared[2]) == set(grads)
-    for name, grad in grads.items():
-        assert grad.numel() > 0
-        torch.testing.assert_close(shared[2][name], grad, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+    """`kto_step` results equal: loss, metrics and gradients, and the reference log-probs."""
+    assert_same_loss_metrics_grads(stock, shared, atol, rtol, min_metrics=8)
+    ref = stock[3]
     for got, expected in zip(shared[3], ref, strict=True):
         if expected is not None:
             assert expected.numel() > 0

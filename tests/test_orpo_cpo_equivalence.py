@@ -11,9 +11,11 @@ import torch
 from datasets import Dataset
 from equivalence import (
     CPU_RUN,
+    assert_same_loss_metrics_grads,
     assert_same_number,
     assert_same_training,
     awkward_text_dataset,
+    backward_grads,
     conversational_dataset,
     leaky_dpo_mask,
     train_and_evaluate,
@@ -82,22 +84,11 @@ def loss_and_grads(trainer, examples):
     trainer.model.zero_grad(set_to_none=True)
     batch = trainer._prepare_inputs(trainer.data_collator(examples))
     loss, metrics = trainer.get_batch_loss_metrics(trainer.model, batch, train_eval="train")
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    trainer.model.zero_grad(set_to_none=True)
-    return loss.detach(), metrics, grads
+    return loss.detach(), metrics, backward_grads(trainer.model, loss)
 
 
 def assert_same_batch(stock, shared, atol=1e-5, rtol=1e-5):
-    loss, metrics, grads = stock
-    torch.testing.assert_close(shared[0], loss, atol=atol, rtol=rtol)
-    assert len(metrics) >= 9 and set(shared[1]) == set(metrics)
-    for key, value in metrics.items():
-        assert_same_number(shared[1][key], value, f"metric {key}", atol, rtol)
-    assert grads and set(shared[2]) == set(grads)
-    for name, grad in grads.items():
-        assert grad.numel() > 0
-        torch.testing.assert_close(shared[2][name], grad, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+    assert_same_loss_metrics_grads(stock, shared, atol, rtol, min_metrics=9)
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
