@@ -11,7 +11,7 @@ chunk of the dataset, which is why KTO trains in sequential order). With prefix 
 - the **policy** pass either does the same inside its gradient pass (the KL rows then go through backward too, without
   contributing a gradient: worth it when prompts are long) or runs the KL rows and the main rows apart, each as its own
   trie (duplicate prompts shared). `prefix_sharing_merge_kl` chooses; by default each batch is merged when its prompt
-  tokens exceed twice its KL completion tokens (measured in `docs/benchmarks/kto_orpo_cpo_cpu.md`).
+  tokens exceed twice its KL completion tokens (measured in `docs/benchmarks/paired_cpu.md`).
 
 The layouts are exact only within stock's own micro-batches, which is what they are built on: no regrouping and no
 packing (the KL rows and the `kl` batch statistic depend on which examples share a micro-batch).
