@@ -49,9 +49,19 @@ SETTINGS = {
 
 
 def make_trainers(
-    tmp_path, kind, tokenizer, dataset, family="llama", peft_config=None, config_kwargs=None, weights=None, **options
+    tmp_path,
+    kind,
+    tokenizer,
+    dataset,
+    family="llama",
+    peft_config=None,
+    config_kwargs=None,
+    weights=None,
+    ours=None,
+    **options,
 ):
-    """(stock TRL trainer, ours with `prefix_sharing=True`) from identical (`weights`-dtype) models and data."""
+    """(stock TRL trainer, ours with `prefix_sharing=True` and `ours`) from identical (`weights`-dtype) models and
+    data."""
     stock_cls, stock_config, ours_cls, ours_config = KINDS[kind]
     model = make_model(family, len(tokenizer), seed=0, **(config_kwargs or {})).to(weights or torch.float32)
     fields = dict(
@@ -64,11 +74,14 @@ def make_trainers(
     )
     fields.update(options)
     trainers = []
-    for cls, config, ours in ((stock_cls, stock_config, {}), (ours_cls, ours_config, {"prefix_sharing": True})):
+    for cls, config, extra in (
+        (stock_cls, stock_config, {}),
+        (ours_cls, ours_config, {"prefix_sharing": True, **(ours or {})}),
+    ):
         trainers.append(
             cls(
                 model=copy.deepcopy(model),
-                args=config(output_dir=str(tmp_path / f"run{len(trainers)}"), **ours, **fields),
+                args=config(output_dir=str(tmp_path / f"run{len(trainers)}"), **extra, **fields),
                 train_dataset=dataset,
                 eval_dataset=dataset,
                 processing_class=tokenizer,
@@ -198,3 +211,32 @@ def test_fewer_positions_and_no_logits(tmp_path, tokenizer, kind):
         counts.append(seen)
     assert counts[0]["head"] == 1 and counts[1]["head"] == 0
     assert counts[1]["positions"] < 0.6 * counts[0]["positions"], counts
+
+
+@pytest.mark.parametrize("kind", ["orpo", "cpo"])
+def test_unscored_padding_changes_only_the_logits_metrics(tmp_path, tokenizer, kind):
+    """`prefix_sharing_score_padding=False`: fewer positions; the loss, the gradients and every metric but
+    `logits/chosen|rejected` are stock's; those two are the mean logit of the columns that predict a real token,
+    computed here from the stock model's own logits."""
+    dataset = awkward_text_dataset()
+    stock, shared = make_trainers(tmp_path, kind, tokenizer, dataset, ours={"prefix_sharing_score_padding": False})
+    examples = [shared.train_dataset[i] for i in range(len(dataset))]
+    expected, got = (loss_and_grads(trainer, examples) for trainer in (stock, shared))
+    logits_keys = {"logits/chosen", "logits/rejected"}
+    without = [
+        (result[0], {k: v for k, v in result[1].items() if k not in logits_keys}, result[2])
+        for result in (expected, got)
+    ]
+    assert_same_loss_metrics_grads(*without, min_metrics=7)
+
+    batch = stock._prepare_inputs(stock.data_collator(examples))
+    concatenated = stock.concatenated_inputs(batch, padding_value=shared._padding_value)
+    input_ids, attention_mask = concatenated["concatenated_input_ids"], concatenated["concatenated_attention_mask"]
+    with torch.no_grad():
+        column_means = stock.model(input_ids=input_ids, attention_mask=attention_mask).logits.mean(-1)
+    predicts_real = torch.cat([attention_mask[:, 1:], torch.zeros_like(attention_mask[:, :1])], dim=1).bool()
+    half = len(examples)
+    for key, rows in (("logits/chosen", slice(None, half)), ("logits/rejected", slice(half, None))):
+        definition = column_means[rows][predicts_real[rows]].mean()
+        assert_same_number(got[1][key], definition, key, atol=1e-5, rtol=1e-5)
+        assert abs(got[1][key] - expected[1][key]) > 1e-4  # stock's mean also covers its padding columns

@@ -14,16 +14,45 @@ unchanged.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from transformers.utils import logging
 
+from .config import _SHARING_DOC, PrefixSharingArguments
 from .forward import stock_logits_dtype
 from .sharing import PrefixSharingMixin
 
 
-__all__ = ["ConcatenatedSharingMixin", "masked_mean"]
+__all__ = ["ConcatenatedSharingArguments", "ConcatenatedSharingMixin", "masked_mean"]
 
 logger = logging.get_logger(__name__)
+
+
+CONCATENATED_SHARING_DOC = (
+    _SHARING_DOC
+    + """    prefix_sharing_score_padding (`bool`, *optional*, defaults to `True`):
+        Lay out and compute each row's padding as stock does, so that the `logits/chosen` and `logits/rejected`
+        metrics are stock's (it averages the logits of every column, padding included). `False`: the padding is not
+        computed, which saves the positions stock spends on it; those two metrics are then the mean logit of the
+        columns that predict a real token, a different number from stock's. The loss, the gradients and every other
+        metric are stock's either way.
+"""
+)
+
+
+@dataclass
+class ConcatenatedSharingArguments(PrefixSharingArguments):
+    """The prefix-sharing fields of the ORPO and CPO configs."""
+
+    prefix_sharing_score_padding: bool = field(
+        default=True,
+        metadata={
+            "help": "Compute each row's padding as stock does, so that the logits/chosen|rejected metrics are "
+            "stock's. False: skip it (fewer positions); those two metrics then average the columns that predict a "
+            "real token."
+        },
+    )
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
@@ -72,9 +101,15 @@ class ConcatenatedSharingMixin(PrefixSharingMixin):
         attention_mask = concatenated["concatenated_attention_mask"]
         num_pairs = batch["chosen_labels"].shape[0]
         examples = torch.arange(num_pairs, device=input_ids.device).repeat(2)  # row i and row B + i: pair i
-        layout = self.sharing.layout(input_ids, attention_mask, examples=examples, score_padding=True)
-        # every column scored, padding included: its next token, and a placeholder for the last column
-        shift_labels = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
+        score_padding = self.args.prefix_sharing_score_padding
+        layout = self.sharing.layout(input_ids, attention_mask, examples=examples, score_padding=score_padding)
+        # each column's next token (scored padding: every column, padding included, a placeholder for the last one;
+        # else the columns that predict a real token)
+        next_ids = (
+            input_ids[:, 1:] if score_padding else input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, -100)
+        )
+        last = torch.full_like(input_ids[:, :1], 0 if score_padding else -100)
+        shift_labels = torch.cat([next_ids, last], dim=1)
         extra = {"output_router_logits": True} if self.aux_loss_enabled else {}
         outputs = model(
             input_ids=input_ids,
@@ -88,9 +123,17 @@ class ConcatenatedSharingMixin(PrefixSharingMixin):
         result = self._stock_outputs(concatenated, outputs, num_pairs)
         return (*result, outputs.aux_loss) if self.aux_loss_enabled else result
 
+    @staticmethod
+    def _logits_entries(outputs, num_pairs: int, last_column: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) per-column mean logits over the columns stock's `logits/*` average (ORPO: all but the
+        last, CPO: all), the scored ones: every column with `prefix_sharing_score_padding`, else those that predict a
+        real token. Their `.mean()` is the metric."""
+        columns = slice(None) if last_column else slice(None, -1)
+        means, scored = outputs.mean_logits[:, columns], outputs.label_mask[:, columns]
+        return means[:num_pairs][scored[:num_pairs]], means[num_pairs:][scored[num_pairs:]]
+
     def _stock_outputs(self, concatenated: dict, outputs, num_pairs: int) -> tuple:
         """``(chosen_logps, rejected_logps, chosen_logits, rejected_logits, nll_loss)`` as TRL's `concatenated_forward`
         returns them, from the fused head's per-column ``log_probs`` and ``mean_logits`` (``[2B, L]``, column t
-        predicting column t + 1). The logits entries are the per-column mean logits over the columns stock's logits
-        cover: their mean is stock's mean of the logits."""
+        predicting column t + 1). The logits entries come from :meth:`_logits_entries`."""
         raise NotImplementedError

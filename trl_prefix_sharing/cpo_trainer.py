@@ -7,8 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .concatenated import ConcatenatedSharingMixin, masked_mean
-from .config import _SHARING_DOC, PrefixSharingArguments
+from .concatenated import CONCATENATED_SHARING_DOC, ConcatenatedSharingArguments, ConcatenatedSharingMixin, masked_mean
 from .trl_internals import check_trl_internals, import_experimental
 
 
@@ -23,10 +22,11 @@ AVERAGED_LOSS_TYPES = ("ipo", "simpo")
 
 
 @dataclass
-class CPOConfig(_cpo.CPOConfig, PrefixSharingArguments):
+class CPOConfig(_cpo.CPOConfig, ConcatenatedSharingArguments):
     __doc__ = (
         "Configuration class for [`trl_prefix_sharing.CPOTrainer`]: every parameter of TRL's experimental "
-        "`CPOConfig`, plus the ones below. With `prefix_sharing=False` training is exactly TRL's.\n" + _SHARING_DOC
+        "`CPOConfig`, plus the ones below. With `prefix_sharing=False` training is exactly TRL's.\n"
+        + CONCATENATED_SHARING_DOC
     )
 
     def __post_init__(self):
@@ -57,5 +57,5 @@ class CPOTrainer(ConcatenatedSharingMixin, _cpo.CPOTrainer):
             logps = masked_mean(log_probs, completion, dim=-1)
         else:
             logps = (log_probs * completion).sum(-1)
-        mean_logits = outputs.mean_logits  # stock averages the unshifted logits: every column, the last included
-        return logps[:num_pairs], logps[num_pairs:], mean_logits[:num_pairs], mean_logits[num_pairs:], nll_loss
+        chosen_logits, rejected_logits = self._logits_entries(outputs, num_pairs, last_column=True)  # unshifted
+        return logps[:num_pairs], logps[num_pairs:], chosen_logits, rejected_logits, nll_loss

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .concatenated import ConcatenatedSharingMixin, masked_mean
-from .config import _SHARING_DOC, PrefixSharingArguments
+from .concatenated import CONCATENATED_SHARING_DOC, ConcatenatedSharingArguments, ConcatenatedSharingMixin, masked_mean
 from .trl_internals import check_trl_internals, import_experimental
 
 
@@ -18,10 +17,11 @@ check_trl_internals("orpo")
 
 
 @dataclass
-class ORPOConfig(_orpo.ORPOConfig, PrefixSharingArguments):
+class ORPOConfig(_orpo.ORPOConfig, ConcatenatedSharingArguments):
     __doc__ = (
         "Configuration class for [`trl_prefix_sharing.ORPOTrainer`]: every parameter of TRL's experimental "
-        "`ORPOConfig`, plus the ones below. With `prefix_sharing=False` training is exactly TRL's.\n" + _SHARING_DOC
+        "`ORPOConfig`, plus the ones below. With `prefix_sharing=False` training is exactly TRL's.\n"
+        + CONCATENATED_SHARING_DOC
     )
 
     def __post_init__(self):
@@ -47,5 +47,7 @@ class ORPOTrainer(ConcatenatedSharingMixin, _orpo.ORPOTrainer):
         nll_loss = -masked_mean(log_probs[:num_pairs], nll_mask)
         completion = concatenated["concatenated_labels"][:, 1:] != -100
         logps = masked_mean(log_probs, completion, dim=-1)  # length-averaged
-        mean_logits = outputs.mean_logits[:, :-1]  # stock averages `logits[:, :-1]`: every column but the last
-        return logps[:num_pairs], logps[num_pairs:], mean_logits[:num_pairs], mean_logits[num_pairs:], nll_loss
+        chosen_logits, rejected_logits = self._logits_entries(
+            outputs, num_pairs, last_column=False
+        )  # `logits[:, :-1]`
+        return logps[:num_pairs], logps[num_pairs:], chosen_logits, rejected_logits, nll_loss
