@@ -58,7 +58,11 @@ PROFILES = {
 }
 TRAINERS = ("kto", "orpo", "cpo")
 TITLES = {"kto": "KTO", "orpo": "ORPO", "cpo": "CPO-SimPO"}
-VARIANTS = {"kto": ("stock", "merged", "apart"), "orpo": ("stock", "shared"), "cpo": ("stock", "shared")}
+VARIANTS = {
+    "kto": ("stock", "merged", "apart"),
+    "orpo": ("stock", "shared", "unscored padding"),
+    "cpo": ("stock", "shared", "unscored padding"),
+}
 BATCH_SIZE = 4
 MAX_LENGTH = 8192  # above every row: no truncation
 GRAD_WEIGHT = 3  # a gradient pass (forward + backward) counted as three forwards
@@ -132,7 +136,11 @@ def make_trainers(kind, model, ref_model, tokenizer, rows, args, tmp):
             "orpo": (StockORPOTrainer, StockORPOConfig, ORPOTrainer, ORPOConfig),
             "cpo": (StockCPOTrainer, StockCPOConfig, CPOTrainer, CPOConfig),
         }[kind]
-        classes = {"stock": (stock_cls, stock_config, {}), "shared": (cls, config, shared)}
+        classes = {
+            "stock": (stock_cls, stock_config, {}),
+            "shared": (cls, config, shared),
+            "unscored padding": (cls, config, {**shared, "prefix_sharing_score_padding": False}),
+        }
         options = {"loss_type": "simpo", "cpo_alpha": 0.5} if kind == "cpo" else {}
         dataset = Dataset.from_list(rows)
     trainers = {}
@@ -384,7 +392,8 @@ def notes(results):
         return f"{low:.2f}x" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}-{high:.2f}x"
 
     lines = []
-    paired = [(r, v) for r in results if r["trainer"] != "kto" for v in r["variants"].values()]
+    paired = [(r, r["variants"]["shared"]) for r in results if r["trainer"] != "kto"]
+    unscored = [(r, r["variants"]["unscored padding"]) for r in results if "unscored padding" in r["variants"]]
     if paired:
         lines.append(
             "- **ORPO/CPO: stock's padding is computed too.** The shared layout scores every column stock scores, "
@@ -394,7 +403,14 @@ def notes(results):
             "longer than stock's rows, so a dense mask computes more attention scores than stock "
             f"(stock / shared {span(paired, 'dense_attention_ratio')}); FlexAttention on CUDA skips the masked blocks."
         )
-    slower = [(r, v) for r, v in paired if v["speedup"] < 1]
+    if unscored:
+        lines.append(
+            "- **ORPO/CPO with `prefix_sharing_score_padding=False`:** the padding is not computed (shared padding "
+            f"{span(unscored, 'shared_padding')}), so the ideal rises to {span(unscored, 'ideal')} and the step to "
+            f"{span(unscored, 'speedup')}; only the `logits/chosen|rejected` metrics change (they then average the "
+            "columns that predict a real token), the loss checked equal to stock's before timing."
+        )
+    slower = [(r, v) for r, v in paired + unscored if v["speedup"] < 1]
     slower += [(r, v) for r in results if r["trainer"] == "kto" for v in r["variants"].values() if v["speedup"] < 1]
     if slower:
         listed = ", ".join(f"{TITLES[r['trainer']]} {r['profile']} {v['speedup']:.2f}x" for r, v in slower)
@@ -483,6 +499,8 @@ def write(results, args, device, command, model_desc, elapsed):
     for r in results:
         for variant, v in r["variants"].items():
             name = TITLES[r["trainer"]] + (f" ({variant} KL)" if r["trainer"] == "kto" else "")
+            if variant == "unscored padding":
+                name += " (`prefix_sharing_score_padding=False`)"
             sharing, positions = f"{v['sharing_ideal']:.2f}x", v["positions_per_step"]
             if r["trainer"] == "kto":
                 sharing += f" (reference {v['reference_sharing_ideal']:.2f}x)"
