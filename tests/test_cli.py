@@ -271,3 +271,37 @@ def test_online_trainers_with_sharing(workspace, command):
     if command != "online_dpo":
         assert "Prefix sharing: the first training batch computes" in proc.stdout + proc.stderr
     assert (out / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    "command, flags",
+    [
+        ("kto", ["--prefix_sharing_merge_kl", "true"]),
+        ("orpo", []),
+        ("cpo", ["--loss_type", "simpo", "--cpo_alpha", "0.5", "--prefix_sharing_score_padding", "false"]),
+    ],
+)
+def test_kto_orpo_cpo_with_sharing(workspace, command, flags):
+    """`trl-prefix-sharing kto|orpo|cpo` with TRL's flags on the local preference file (KTO unpairs it, as `trl kto`
+    does), this package's fields too."""
+    out = workspace / f"{command}_out"
+    proc = _run(
+        _console_script()
+        + [
+            command,
+            "--model_name_or_path",
+            str(workspace / "model"),
+            "--dataset_name",
+            str(workspace / "prefs.jsonl"),
+            "--output_dir",
+            str(out),
+            "--prefix_sharing",
+            "true",
+            *flags,
+            *COMMON,
+        ],
+        cwd=workspace,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (out / "model.safetensors").exists()
+    assert "kto" in _run(_console_script() + ["--help"], cwd=workspace).stdout

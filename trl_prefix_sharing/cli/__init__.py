@@ -1,5 +1,5 @@
-"""The `trl-prefix-sharing` command line: TRL's `trl dpo|reward|grpo|rloo` workflow (and online DPO) with this
-package's trainers.
+"""The `trl-prefix-sharing` command line: TRL's `trl dpo|reward|grpo|rloo|kto` workflow (and online DPO, ORPO and
+CPO) with this package's trainers.
 
     trl-prefix-sharing dpo --model_name_or_path ... --dataset_name ... --prefix_sharing true --packing true
     trl-prefix-sharing reward --config recipe.yaml
@@ -7,10 +7,10 @@ package's trainers.
     trl-prefix-sharing stats --dataset_name ... --model_name_or_path ...
     python -m trl_prefix_sharing dpo ...
 
-`dpo`, `reward`, `grpo`, `rloo` and `online_dpo` take TRL's arguments (the same `TrlParser` over the script
-arguments, the config, `ModelConfig` and `DatasetMixtureConfig`, YAML `--config` files, PEFT/quantization flags) plus
-this package's fields, and are launched
-through `accelerate launch` exactly as TRL launches its scripts (`--accelerate_config zero3`, `--num_processes`, ...).
+`dpo`, `reward`, `grpo`, `rloo`, `online_dpo`, `kto`, `orpo` and `cpo` take TRL's arguments (the same `TrlParser`
+over the script arguments, the config, `ModelConfig` and `DatasetMixtureConfig`, YAML `--config` files,
+PEFT/quantization flags) plus this package's fields, and are launched through `accelerate launch` exactly as TRL
+launches its scripts (`--accelerate_config zero3`, `--num_processes`, ...).
 """
 
 from __future__ import annotations
@@ -20,16 +20,23 @@ import sys
 
 __all__ = ["main"]
 
-USAGE = """usage: trl-prefix-sharing {dpo,reward,grpo,rloo,online_dpo,stats} [args]
+USAGE = """usage: trl-prefix-sharing {dpo,reward,grpo,rloo,online_dpo,kto,orpo,cpo,stats} [args]
 
   dpo      DPO training (TRL's `trl dpo` arguments + prefix_sharing, packing, ...), launched with accelerate
   reward   reward-model training (TRL's `trl reward` arguments + the same), launched with accelerate
   grpo     GRPO training (TRL's `trl grpo` arguments, reward functions included, + prefix_sharing)
   rloo     RLOO training (TRL's `trl rloo` arguments + prefix_sharing)
   online_dpo  online DPO (TRL's experimental OnlineDPOConfig, rewards named as for grpo, + prefix_sharing)
+  kto      KTO training (TRL's `trl kto` arguments + prefix_sharing)
+  orpo     ORPO (TRL's experimental ORPOConfig + prefix_sharing)
+  cpo      CPO, SimPO, AlphaPO (TRL's experimental CPOConfig + prefix_sharing)
   stats    does prefix sharing pay on this dataset? (loads the tokenizer only)
 
 Run `trl-prefix-sharing COMMAND --help` for a command's arguments."""
+
+
+#: the commands that train, each launched through `accelerate launch` (`cli/<command>.py`)
+TRAINING_COMMANDS = ("dpo", "reward", "grpo", "rloo", "online_dpo", "kto", "orpo", "cpo")
 
 
 def launch(command: str, argv: list[str]) -> int:
@@ -59,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
-    if command in ("dpo", "reward", "grpo", "rloo", "online_dpo"):
+    if command in TRAINING_COMMANDS:
         return launch(command, rest)
     if command == "stats":
         from .quiet import quiet_unused_backends

@@ -1,6 +1,6 @@
-"""The training scripts behind `trl-prefix-sharing dpo|reward|grpo|rloo|online_dpo`: TRL's scripts with this package's
-trainers and configs, plus offline-friendly dataset loading (a local JSON/JSONL/Parquet file or directory) and early
-errors."""
+"""The training scripts behind `trl-prefix-sharing dpo|reward|grpo|rloo|online_dpo|kto|orpo|cpo`: TRL's scripts with
+this package's trainers and configs, plus offline-friendly dataset loading (a local JSON/JSONL/Parquet file or
+directory) and early errors."""
 
 from __future__ import annotations
 
@@ -17,18 +17,31 @@ def make_parser(command: str, prog: str | None = None):
     from trl.scripts.grpo import GRPOScriptArguments
     from trl.scripts.rloo import RLOOScriptArguments
 
-    from ..config import DPOConfig, GRPOConfig, RewardConfig, RLOOConfig
-    from ..online_dpo_trainer import OnlineDPOConfig
+    import trl_prefix_sharing
 
-    script_args, config = {
-        "dpo": (ScriptArguments, DPOConfig),
-        "reward": (ScriptArguments, RewardConfig),
-        "grpo": (GRPOScriptArguments, GRPOConfig),
-        "rloo": (RLOOScriptArguments, RLOOConfig),
+    script_args = {
+        "grpo": GRPOScriptArguments,
+        "rloo": RLOOScriptArguments,
         # TRL ships no online DPO script: GRPO's script arguments name the reward the same way
-        "online_dpo": (GRPOScriptArguments, OnlineDPOConfig),
-    }[command]
+        "online_dpo": GRPOScriptArguments,
+    }.get(command, ScriptArguments)
+    config = getattr(trl_prefix_sharing, _NAMES[command] + "Config")  # only this command's trainer module is imported
     return TrlParser((script_args, config, ModelConfig, DatasetMixtureConfig), prog=prog)
+
+
+#: command -> the name of its trainer and config in this package (`<name>Trainer`, `<name>Config`)
+_NAMES = {
+    "dpo": "DPO",
+    "reward": "Reward",
+    "grpo": "GRPO",
+    "rloo": "RLOO",
+    "online_dpo": "OnlineDPO",
+    "kto": "KTO",
+    "orpo": "ORPO",
+    "cpo": "CPO",
+}
+#: trainers that take no `quantization_config` and load no tokenizer from a model name: both are given here
+_LOADED_HERE = ("online_dpo", "orpo", "cpo")
 
 
 def load_reward_funcs(script_args) -> list:
@@ -105,11 +118,7 @@ def main(command: str, script_args, training_args, model_args, dataset_args) -> 
     from packaging.version import Version
     from trl import get_peft_config, get_quantization_config
 
-    from ..dpo_trainer import DPOTrainer
-    from ..grpo_trainer import GRPOTrainer
-    from ..online_dpo_trainer import OnlineDPOTrainer
-    from ..reward_trainer import RewardTrainer
-    from ..rloo_trainer import RLOOTrainer
+    import trl_prefix_sharing
 
     check_model_path(model_args.model_name_or_path)
     model_init_kwargs = dict(
@@ -134,17 +143,11 @@ def main(command: str, script_args, training_args, model_args, dataset_args) -> 
             )
         eval_dataset = dataset[script_args.dataset_test_split]
 
-    trainer_cls = {
-        "dpo": DPOTrainer,
-        "reward": RewardTrainer,
-        "grpo": GRPOTrainer,
-        "rloo": RLOOTrainer,
-        "online_dpo": OnlineDPOTrainer,
-    }[command]
+    trainer_cls = getattr(trl_prefix_sharing, _NAMES[command] + "Trainer")
     rewards = {"reward_funcs": load_reward_funcs(script_args)} if command in ("grpo", "rloo", "online_dpo") else {}
     loading = {"quantization_config": get_quantization_config(model_args)}  # how the trainer loads the model
-    if command == "online_dpo":  # its trainer takes no `quantization_config` (the model is loaded with these kwargs)
-        from transformers import AutoTokenizer  # and loads no tokenizer of its own
+    if command in _LOADED_HERE:  # no `quantization_config` argument (the model is loaded with these kwargs)
+        from transformers import AutoTokenizer  # and a tokenizer given explicitly
 
         quantization_config = loading.pop("quantization_config")
         if quantization_config is not None:
@@ -195,8 +198,7 @@ def release_distributed_wrappers(trainer) -> None:
 
 
 def run_script(command: str) -> None:
-    """Entry point of the launched scripts (`cli/dpo.py`, `cli/reward.py`, `cli/grpo.py`, `cli/rloo.py`,
-    `cli/online_dpo.py`)."""
+    """Entry point of the launched scripts (`cli/<command>.py`)."""
     parser = make_parser(command)
     script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(fail_with_unknown_args=False)
     main(command, script_args, training_args, model_args, dataset_args)
