@@ -84,10 +84,12 @@ class ConcatenatedSharingMixin(PrefixSharingMixin):
                     "`bf16=True` (or `fp16=True`) for stock's numbers, or load float32 weights."
                 )
 
+    #: the attribute of TRL's trainer holding the pad id its `concatenated_forward` passes to `concatenated_inputs`
+    _padding_attribute: str
+
     @property
     def _padding_value(self) -> int:
-        """The pad id TRL's `concatenated_forward` passes to `concatenated_inputs`."""
-        raise NotImplementedError
+        return getattr(self, self._padding_attribute)
 
     def concatenated_forward(self, model, batch):
         if not self.prefix_sharing:

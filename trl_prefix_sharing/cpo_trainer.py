@@ -42,9 +42,7 @@ class CPOTrainer(ConcatenatedSharingMixin, _cpo.CPOTrainer):
 
     _config_class = CPOConfig
 
-    @property
-    def _padding_value(self) -> int:
-        return self.pad_token_id
+    _padding_attribute = "pad_token_id"
 
     def _stock_outputs(self, concatenated, outputs, num_pairs):
         log_probs = outputs.log_probs[:, :-1]  # stock's shifted logits: columns 0 .. L-2

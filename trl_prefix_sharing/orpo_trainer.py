@@ -36,9 +36,7 @@ class ORPOTrainer(ConcatenatedSharingMixin, _orpo.ORPOTrainer):
 
     _config_class = ORPOConfig
 
-    @property
-    def _padding_value(self) -> int:
-        return self.padding_value
+    _padding_attribute = "padding_value"
 
     def _stock_outputs(self, concatenated, outputs, num_pairs):
         log_probs = outputs.log_probs[:, :-1]  # stock's shifted logits: columns 0 .. L-2
