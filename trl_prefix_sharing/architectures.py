@@ -164,8 +164,17 @@ def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def check_supported_model(config) -> None:
-    """Raise a clear error for an architecture that is not proven to give stock's numbers under the shared layout."""
+#: registry outcomes a start-up check on the user's own model can settle (nothing was measured, or only the tiny
+#: config failed); every other refused entry stays refused
+_CHECKABLE_OUTCOMES = ("not measured", "stock TRL itself fails", "measured: prefix sharing raised")
+
+
+def check_supported_model(config) -> str | None:
+    """Decide how an architecture is judged: raise a clear error for one that cannot give stock's numbers under the
+    shared layout (a reason no batch can disprove, or a measured difference); return None for one the registry
+    measured equal with this config's options; return why the start-up check must judge it on the model itself
+    (:mod:`~trl_prefix_sharing.model_check`): a model type the sweep did not measure (custom code, a newer
+    transformers) or measured only without this config's sliding window."""
     text_config = _text_config(config)
     model_type = getattr(text_config, "model_type", None)
     layer_types = set(getattr(text_config, "layer_types", None) or ())
@@ -178,29 +187,37 @@ def check_supported_model(config) -> None:
         )
     if "chunked_attention" in other_layers or getattr(text_config, "attention_chunk_size", None):
         raise ValueError(f"Prefix sharing is refused for '{model_type}': {LOCAL_ROWS}. {way_out}")
-    refused = registry()["refused"].get(model_type) or REFUSED.get(model_type)
-    if refused is not None:
-        reason = refused["reason"] if isinstance(refused, dict) else refused
-        raise ValueError(f"Prefix sharing is refused for '{model_type}': {reason}. {way_out}")
+    if model_type in REFUSED:
+        raise ValueError(f"Prefix sharing is refused for '{model_type}': {REFUSED[model_type]}. {way_out}")
+    refused = registry()["refused"].get(model_type)
+    if refused is not None and not refused["reason"].startswith(_CHECKABLE_OUTCOMES):
+        raise ValueError(f"Prefix sharing is refused for '{model_type}': {refused['reason']}. {way_out}")
     entry = registry()["supported"].get(model_type)
     if entry is None:
-        raise ValueError(
-            f"Prefix sharing is not measured for the model type '{model_type}', so its log-probs could differ from "
-            f"stock TRL. Measured equal: {', '.join(supported_model_types())}. To measure it: "
-            f"`python scripts/sweep_architectures.py {model_type} --write`; until then "
-            f"{way_out[0].lower() + way_out[1:]}"
-        )
+        if getattr(text_config, "output_router_logits", False):
+            raise ValueError(
+                f"Prefix sharing is not measured for the model type '{model_type}' with the router's auxiliary loss "
+                "(`output_router_logits=True`), which the start-up check (log-probs) cannot judge. Set "
+                f"`output_router_logits=False`, or {way_out[0].lower() + way_out[1:]}"
+            )
+        if refused is not None:
+            return f"the sweep of model types did not settle '{model_type}' ({refused['reason']})"
+        return f"the model type '{model_type}' is not in the measured registry"
     window, _ = window_layout(text_config)
     if window is not None and "sliding_window" not in entry.get("variants", ()):
-        raise ValueError(
-            f"Prefix sharing is measured equal for '{model_type}' without a sliding window only "
-            f"({_measured(entry, 'sliding_window')}); this config sets `sliding_window={window}`. {way_out}"
-        )
+        failed = entry.get("failed_variants", {}).get("sliding_window")
+        if failed and any(outcome and outcome.startswith("differs") for outcome in failed.values()):
+            raise ValueError(
+                f"Prefix sharing is measured equal for '{model_type}' without a sliding window only "
+                f"({_measured(entry, 'sliding_window')}); this config sets `sliding_window={window}`. {way_out}"
+            )
+        return f"'{model_type}' is measured without a sliding window only; this config sets `sliding_window={window}`"
     if getattr(text_config, "output_router_logits", False) and "router_aux_loss" not in entry.get("variants", ()):
         raise ValueError(
             f"Prefix sharing is measured equal for '{model_type}' without the router's auxiliary loss only "
             f"({_measured(entry, 'router_aux_loss')}); this config sets `output_router_logits=True`. {way_out}"
         )
+    return None
 
 
 def _measured(entry: dict, variant: str) -> str:

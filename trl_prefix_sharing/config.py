@@ -24,6 +24,13 @@ _SHARING_DOC = """
         Verify each shared batch against the stock rows in the forward (its tokens, padding and labels). Each check
         reads a comparison back from the device, so on an accelerator it waits for the device (a host sync per
         forward). `None`: on where the batch is on the CPU (no cost there), off elsewhere.
+    prefix_sharing_model_check (`str`, *optional*, defaults to `"auto"`):
+        The start-up check: at the first batch, a few of its examples run through the model as stock rows and as
+        prefix-shared rows (no gradients); training goes on when their per-token log-probs (rewards for a reward model)
+        agree within the tolerance of the compute dtype, with the measured difference logged in one line, and stops
+        with an error naming the difference otherwise. `"auto"`: for models the measured registry does not cover
+        (custom code under its own `model_type`, types from a newer transformers, a sliding window the registry did
+        not measure); `"always"`: for every model.
     prefix_sharing_attn_implementation (`str`, *optional*, defaults to `"auto"`):
         Attention that applies the prefix-sharing mask: `"flex_attention"` (block-sparse FlexAttention, CUDA),
         `"sdpa"` (the same mask, dense, through `scaled_dot_product_attention`; any device), or `"auto"`
@@ -78,6 +85,14 @@ class PrefixSharingArguments:
         },
     )
 
+    prefix_sharing_model_check: str = field(
+        default="auto",
+        metadata={
+            "help": "Run a few examples of the first batch through the model as stock and as shared rows and stop "
+            "with an error if they differ: 'auto' for models outside the measured registry, 'always' for every model.",
+            "choices": ["auto", "always"],
+        },
+    )
     prefix_sharing_checks: bool | None = field(
         default=None,
         metadata={
@@ -87,6 +102,10 @@ class PrefixSharingArguments:
     )
 
     def _check_prefix_sharing_arguments(self) -> None:
+        if self.prefix_sharing_model_check not in ("auto", "always"):
+            raise ValueError(
+                f"`prefix_sharing_model_check` must be 'auto' or 'always', got {self.prefix_sharing_model_check!r}."
+            )
         if self.prefix_sharing_attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(
                 f"`prefix_sharing_attn_implementation` must be one of {ATTN_IMPLEMENTATIONS}, got "

@@ -22,16 +22,20 @@ import weakref
 from collections.abc import Mapping
 
 import torch
+from transformers.utils import logging
 
-from .architectures import check_supported_model
+from .architectures import check_supported_model, window_layout
 from .attention import AttentionSwitch, build_attention_mask, choose_attn_implementation, shared_row_multiple
 from .collator import PrefixSharingCollator
 from .forward import install_prefix_sharing_forward, remove_prefix_sharing_forward, unwrap_model
-from .layout import build_shared_batch, shared_group_layout
+from .layout import build_shared_batch, prompt_lengths_from_completion_mask, shared_group_layout
+from .model_check import check_rows, run_model_check
 from .vision import check_supported_vision_model, has_vision_inputs, is_vision_config, shared_vision_inputs
 
 
 __all__ = ["PrefixSharing", "PrefixSharingMixin", "pad_token_id"]
+
+logger = logging.get_logger(__name__)
 
 #: the attribute of a model that keeps its forward from before TRL's fused log-prob head was added here
 _UNFUSED = "_prefix_sharing_unfused_forward"
@@ -71,8 +75,9 @@ def check_model_and_processor(
     check_architecture(config, trainer_name, supports_vision)
 
 
-def check_architecture(config, trainer_name: str, supports_vision: bool) -> None:
-    """The architecture check: vision-language models (`vision.py`) or text models (`architectures.py`)."""
+def check_architecture(config, trainer_name: str, supports_vision: bool) -> str | None:
+    """The architecture check: vision-language models (`vision.py`) or text models (`architectures.py`). Raises for a
+    refused one; returns why the start-up check must judge the model itself (None: the registry measured it equal)."""
     if is_vision_config(config):
         if not supports_vision:
             raise ValueError(
@@ -80,8 +85,8 @@ def check_architecture(config, trainer_name: str, supports_vision: bool) -> None
                 f"('{config.model_type}'). Train it with `prefix_sharing=False`."
             )
         check_supported_vision_model(config)
-    else:
-        check_supported_model(config)
+        return None
+    return check_supported_model(config)
 
 
 class PrefixSharing:
@@ -102,6 +107,9 @@ class PrefixSharing:
         checks: `prefix_sharing_checks` (None: where the batch is on the CPU).
         autocast: the trainer's `accelerator.autocast`: the shared calls of a model that accelerate already wrapped
             in mixed precision (a reference model prepared in TRL's `__init__`) run inside it, as stock's calls do.
+        model_check: `prefix_sharing_model_check`: ``"auto"`` runs the start-up check
+            (:mod:`~trl_prefix_sharing.model_check`) on a model the registry has not measured equal, ``"always"`` on
+            every model.
     """
 
     def __init__(
@@ -116,11 +124,22 @@ class PrefixSharing:
         fuse_lm_head: bool | tuple[str, ...] = False,
         checks: bool | None = None,
         autocast=None,
+        model_check: str = "auto",
     ):
         if getattr(getattr(models[0], "active_peft_config", None), "is_prompt_learning", False):
             raise ValueError("Prefix sharing does not support prompt-learning PEFT adapters.")
-        for model in models:
-            check_architecture(model.config, trainer_name, supports_vision)
+        reasons = [check_architecture(model.config, trainer_name, supports_vision) for model in models]
+        #: why the start-up check runs at the first batch laid out (None: it does not, or it has run)
+        self.pending_check = next((reason for reason in reasons if reason is not None), None)
+        if model_check == "always":
+            if any(is_vision_config(model.config) for model in models):
+                raise ValueError(
+                    "`prefix_sharing_model_check='always'` runs text rows; a vision-language model is judged by its "
+                    "measured registry entry. Set `prefix_sharing_model_check='auto'`."
+                )
+            self.pending_check = self.pending_check or "requested (`prefix_sharing_model_check='always'`)"
+        self.model_check_result = None
+        self._checking = False
         self.models = list(models)
         self.pad_token_id = pad_token_id(processing_class)
         self.attn_implementation = choose_attn_implementation(self.models, attn_implementation, device)
@@ -186,6 +205,16 @@ class PrefixSharing:
         layout = inputs.get("prefix_sharing") if isinstance(inputs, Mapping) else None
         if layout is None:
             raise RuntimeError("Prefix sharing is on but the batch has no layout: was the data collator replaced?")
+        if self.pending_check is not None:
+            completion_mask = inputs.get("completion_mask")
+            self.check_model(
+                inputs["input_ids"],
+                inputs["attention_mask"],
+                prompt_lengths=None
+                if completion_mask is None
+                else prompt_lengths_from_completion_mask(inputs["attention_mask"], completion_mask),
+                examples=PrefixSharingCollator.example_ids(inputs),
+            )
         if "attention_mask" not in layout:
             self._add_mask(layout, self._checks_on(layout["input_ids"]))
         if "vision" not in layout and has_vision_inputs(inputs):  # images once per pair, M-RoPE positions
@@ -198,7 +227,7 @@ class PrefixSharing:
         layout["check"] = check
 
     def _route(self, model, kwargs: dict):
-        return None if self.router is None else self.router(model, kwargs)
+        return None if self.router is None or self._checking else self.router(model, kwargs)
 
     def _checks_on(self, tensor: torch.Tensor) -> bool:
         return self.checks if self.checks is not None else tensor.device.type == "cpu"
@@ -213,6 +242,10 @@ class PrefixSharing:
     ) -> dict:
         """The layout, with its mask, of stock rows built in the training step (the trie of the rows; ``examples``,
         ``prompt_lengths`` and ``score_padding``: see `plan_layout`). On the rows' device; one host read."""
+        if self.pending_check is not None:
+            if prompt_lengths is None and examples is None:
+                raise ValueError("The start-up check needs the prompt lengths or the examples of the rows.")
+            self.check_model(input_ids, attention_mask, prompt_lengths=prompt_lengths, examples=examples)
         check = self._checks_on(input_ids)
         layout = build_shared_batch(
             input_ids,
@@ -241,6 +274,8 @@ class PrefixSharing:
         Built once per set of rows: it is kept while the tensors the rows were read from live unchanged (``source``,
         default ``input_ids`` and ``attention_mask``; views of one generation batch count as the same rows), so the
         old-policy, reference and training passes over the same rows share one layout and one mask."""
+        if self.pending_check is not None:
+            self.check_model(input_ids, attention_mask, prompt_lengths=attention_mask[:, :prompt_length].sum(1))
         source = (input_ids, attention_mask) if source is None else source
         key = (prompt_length, score_padding)
         layout = self._layouts.get(source, key)
@@ -258,6 +293,45 @@ class PrefixSharing:
             self._add_mask(layout, check)
             self._layouts.put(source, key, layout)
         return layout
+
+    # ----------------------------------------------------------------------------------------------- model check
+    def check_model(self, input_ids, attention_mask, prompt_lengths=None, examples=None) -> None:
+        """The start-up check (:mod:`~trl_prefix_sharing.model_check`) on a few examples of these stock rows, once:
+        the policy model run as stock rows and as shared rows, without gradients. Logs the measured difference in one
+        line; raises, naming it, when the shared layout does not give the model's stock numbers."""
+        reason, self.pending_check = self.pending_check, None
+        model = self.models[0]
+        kind = "classifier" if type(model).__name__.endswith("ForSequenceClassification") else "fused"
+        examples_ = check_rows(input_ids, attention_mask, prompt_lengths=prompt_lengths, examples=examples)
+
+        def layout_fn(ids, mask, lengths, example_ids):
+            return self.layout(ids, mask, prompt_lengths=lengths, examples=example_ids)
+
+        self._checking = True
+        try:
+            result = run_model_check(
+                model,
+                examples_,
+                layout_fn,
+                kind,
+                self.pad_token_id,
+                window=window_layout(model.config)[0],
+                autocast=self.autocast,
+            )
+        finally:
+            self._checking = False
+        self.model_check_result = result
+        name = f"'{model.config.get_text_config().model_type}' ({type(model).__name__})"
+        if not result.passed:
+            cause = f"the shared rows could not be run: {result.error}" if result.error else result.summary()
+            raise ValueError(
+                f"Prefix sharing is refused for {name}: the start-up check ran a few examples of the first batch as "
+                f"stock rows and as prefix-shared rows, and they differ ({cause}). The model does not give its own "
+                "numbers under the shared layout's attention mask and position ids. Train it with "
+                "`prefix_sharing=False`."
+            )
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            logger.warning(f"Prefix sharing: start-up check of {name}, {reason}: equal ({result.summary()}).")
 
 
 class _LayoutCache:
@@ -364,6 +438,7 @@ class PrefixSharingMixin:
             fuse_lm_head=self._fuse_lm_head,
             checks=getattr(self.args, "prefix_sharing_checks", None),
             autocast=self.accelerator.autocast,
+            model_check=getattr(self.args, "prefix_sharing_model_check", "auto"),
         )
         self.sharing.attach()
         self._setup_collator()

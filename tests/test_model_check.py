@@ -1,0 +1,219 @@
+"""The start-up check judges a model on the model itself: custom model types outside the measured registry train with
+prefix sharing when they honour the shared layout (and give stock TRL's numbers), and are refused before training,
+with the measured difference, when they do not. The broken models (`custom_models.py`) are also the proof that the
+check can fail: each differs from stock by orders of magnitude more than the tolerance."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import trl
+from custom_models import BROKEN, EXACT, WINDOW, custom_config, custom_model, write_remote_code_model
+from equivalence import (
+    CPU_RUN,
+    assert_same_reward_step,
+    awkward_text_dataset,
+    compare_step,
+    make_trainers,
+    reward_args,
+    reward_step,
+    step,
+)
+from group_equivalence import assert_same_runs, make_group_trainer, prompt_dataset, train
+
+from trl_prefix_sharing import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer
+from trl_prefix_sharing.architectures import check_supported_model
+from trl_prefix_sharing.model_check import MIN_PROMPT, _stretch, check_rows
+from trl_prefix_sharing.testing import make_config
+
+
+#: sharper outputs than the default initialisation (0.02, nearly uniform), closer to a trained model's: a layout error
+#: shows by far more than the tolerance (`docs/benchmarks/model_check.md`)
+INIT = 0.2
+
+
+def _dpo(tmp_path, tokenizer, model_type, **overrides):
+    model = custom_model(model_type, len(tokenizer), initializer_range=INIT)
+    ref = custom_model(model_type, len(tokenizer), seed=1, initializer_range=INIT)
+    return make_trainers(tmp_path, None, awkward_text_dataset(), tokenizer, model=model, ref_model=ref, **overrides)
+
+
+def _refusal(model_type: str) -> str:
+    return (
+        rf"Prefix sharing is refused for '{model_type}' \(.*\): the start-up check ran a few examples of the first "
+        r"batch as stock rows and as prefix-shared rows, and they differ \(shared vs stock .*largest difference .*"
+        r"\)\. .*Train it with `prefix_sharing=False`\."
+    )
+
+
+def test_registry_sends_unmeasured_models_to_the_check():
+    """Outside the registry: checked, not refused by name. Reasons no batch can disprove, and measured differences,
+    stay refusals; a registry family with a window it was not measured with is checked."""
+    assert "not in the measured registry" in check_supported_model(custom_config("ps_plain_decoder", 32))
+    assert check_supported_model(make_config("llama", 32)) is None
+    assert "measured without a sliding window only" in check_supported_model(
+        make_config("smollm3", 32, sliding_window=6, layer_types=["sliding_attention", "full_attention"])
+    )
+    with pytest.raises(ValueError, match="not a decoder-only causal LM"):
+        check_supported_model(make_config("bert", 32))
+    with pytest.raises(ValueError, match="router's auxiliary loss"):
+        check_supported_model(custom_config("ps_plain_decoder", 32, output_router_logits=True))
+
+
+def test_check_rows_from_awkward_batches():
+    """Up to two prompts, at least two distinct completions each, the longest first and never empty (identical
+    generations of a group share everything, so they could not show a layout error); left padding read."""
+    ids = torch.tensor([[0, 5, 6, 7, 8], [0, 5, 6, 9, 0], [0, 0, 4, 3, 3], [0, 0, 0, 0, 4]])
+    mask = (ids != 0).long()
+    examples = check_rows(ids, mask, prompt_lengths=torch.tensor([2, 2, 1, 1]))
+    assert examples == [([5, 6], [[7, 8], [9]]), ([4], [[3, 3], [7, 8]])]  # the empty one replaced
+    same = torch.tensor([[4, 3, 3], [4, 3, 3]])
+    assert check_rows(same, torch.ones_like(same), prompt_lengths=torch.tensor([1, 1])) == [([4], [[3, 3], [4]])]
+    reward = check_rows(ids[:2], mask[:2], examples=torch.tensor([0, 0]))
+    assert reward == [([5, 6], [[7, 8], [9]])]
+
+
+@pytest.mark.parametrize("model_type", EXACT)
+def test_custom_type_that_honours_the_layout_trains_as_stock(tmp_path, tokenizer, model_type):
+    stock, shared = _dpo(tmp_path, tokenizer, model_type)
+    compare_step(stock, shared)
+    result = shared.sharing.model_check_result
+    assert result is not None and result.passed and result.values > 0
+    assert result.difference <= result.tolerance == 1e-4  # float32's floor (the CPU spread is 0)
+    assert shared.sharing.pending_check is None  # once
+
+
+@pytest.mark.parametrize("model_type", BROKEN)
+def test_model_that_breaks_the_layout_is_refused_before_training(tmp_path, tokenizer, model_type):
+    stock, shared = _dpo(tmp_path, tokenizer, model_type)
+    examples = list(stock.train_dataset)
+    step(stock, examples)  # stock TRL trains it
+    before = {n: p.detach().clone() for n, p in shared.model.named_parameters()}
+    with pytest.raises(ValueError, match=_refusal(model_type)):
+        step(shared, examples)
+    result = shared.sharing.model_check_result
+    assert result.values > 0 and result.difference > 1000 * result.tolerance  # a wide margin
+    for name, value in shared.model.named_parameters():
+        assert torch.equal(value, before[name])
+
+
+def test_short_prompts_are_stretched():
+    """One-token prompts cannot show a position or window error (the last prompt token starts every branch again):
+    the check repeats the prompt tokens to `MIN_PROMPT` tokens, and to a window's length."""
+    rows = check_rows(*(torch.tensor([[9, 5, 6, 0], [9, 7, 0, 0]]), torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])))
+    ((prompt, completions),) = _stretch(rows, WINDOW, 4096)
+    assert prompt == [9] * MIN_PROMPT and completions == [[5, 6], [7]]
+    ((prompt, _),) = _stretch(rows, 3 * MIN_PROMPT, 4096)
+    assert prompt == [9] * 3 * MIN_PROMPT
+    ((prompt, _),) = _stretch(rows, 3 * MIN_PROMPT, MIN_PROMPT + 4)  # not past the model's positions
+    assert len(prompt) == MIN_PROMPT + 2
+
+
+def test_always_checks_measured_models_too(tmp_path, tokenizer):
+    stock, shared = make_trainers(
+        tmp_path,
+        "llama",
+        awkward_text_dataset(),
+        tokenizer,
+        ours={"prefix_sharing": True, "prefix_sharing_model_check": "always"},
+    )
+    compare_step(stock, shared)
+    assert shared.sharing.model_check_result.passed
+    with pytest.raises(ValueError, match="prefix_sharing_model_check"):
+        DPOConfig(output_dir=str(tmp_path), **CPU_RUN, prefix_sharing=True, prefix_sharing_model_check="never")
+
+
+def test_reward_models_are_checked_on_their_rewards(tmp_path, tokenizer):
+    dataset = awkward_text_dataset()
+    results = {}
+    for model_type in ("ps_plain_decoder", "ps_row_causal"):
+        model = custom_model(model_type, len(tokenizer), classifier=True, initializer_range=INIT)
+        stock = trl.RewardTrainer(
+            model=copy.deepcopy(model), args=reward_args(tmp_path, None), train_dataset=dataset, processing_class=tokenizer
+        )
+        shared = RewardTrainer(
+            model=copy.deepcopy(model),
+            args=reward_args(tmp_path, {"prefix_sharing": True}),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
+        examples = list(stock.train_dataset)
+        expected = reward_step(stock, examples)
+        if model_type == "ps_plain_decoder":
+            assert_same_reward_step(expected, reward_step(shared, examples))
+        else:
+            with pytest.raises(ValueError, match=_refusal(model_type)):
+                reward_step(shared, examples)
+        results[model_type] = shared.sharing.model_check_result
+    assert results["ps_plain_decoder"].passed and results["ps_plain_decoder"].compared == "rewards"
+    assert results["ps_row_causal"].difference > 1000 * results["ps_row_causal"].tolerance
+
+
+@pytest.mark.parametrize("model_type", ["ps_plain_decoder", "ps_row_positions"])
+def test_grpo_checks_the_first_generated_group(tmp_path, tokenizer, model_type):
+    model = custom_model(model_type, len(tokenizer), initializer_range=INIT)  # an instance: TRL reads `auto_map`
+    dataset = prompt_dataset()  # from a path's config, which a type registered in code has not
+    if model_type == "ps_plain_decoder":
+        stock = train(make_group_trainer("grpo", False, copy.deepcopy(model), dataset, tokenizer, tmp_path))
+        trainer = make_group_trainer("grpo", True, copy.deepcopy(model), dataset, tokenizer, tmp_path)
+        assert_same_runs(stock, train(trainer))
+        assert trainer.sharing.model_check_result.passed and trainer.sharing.model_check_result.rows >= 4
+    else:
+        trainer = make_group_trainer("grpo", True, model, dataset, tokenizer, tmp_path)
+        with pytest.raises(ValueError, match=_refusal(model_type)):
+            train(trainer)
+        assert trainer.state.global_step == 0
+
+
+def test_check_under_lora(tmp_path, tokenizer):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    model = custom_model("ps_plain_decoder", len(tokenizer), initializer_range=INIT)
+    stock, shared = make_trainers(
+        tmp_path, None, awkward_text_dataset(), tokenizer, model=model, ref_model=None, peft_config=lora
+    )
+    compare_step(stock, shared)
+    assert shared.sharing.model_check_result.passed
+
+
+@pytest.mark.parametrize("trainer", ["dpo", "reward"])
+def test_trl_trust_remote_code_with_prefix_sharing(tmp_path, tokenizer, trainer):
+    """TRL's own `test_trust_remote_code` (DPO and reward), with prefix sharing on, on a local custom-code checkpoint
+    under its own model type ("remote", like TRL's `tiny-RemoteForCausalLM`): refused by transformers without
+    `trust_remote_code`, trained with it, after the start-up check, with stock's numbers."""
+    model_id = str(write_remote_code_model(tmp_path / "remote", len(tokenizer)))
+    dataset = awkward_text_dataset()
+    trainer_cls, config_cls, stock_cls, stock_config = {
+        "dpo": (DPOTrainer, DPOConfig, trl.DPOTrainer, trl.DPOConfig),
+        "reward": (RewardTrainer, RewardConfig, trl.RewardTrainer, trl.RewardConfig),
+    }[trainer]
+    common = dict(**CPU_RUN, per_device_train_batch_size=4, max_length=None)
+    with pytest.raises(ValueError, match="custom code"):
+        trainer_cls(
+            model=model_id,
+            args=config_cls(output_dir=str(tmp_path / "a"), prefix_sharing=True, **common),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
+    shared = trainer_cls(
+        model=model_id,
+        args=config_cls(output_dir=str(tmp_path / "b"), prefix_sharing=True, trust_remote_code=True, **common),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    assert type(shared.model).__name__ == ("RemoteForCausalLM" if trainer == "dpo" else "RemoteForSequenceClassification")
+    stock = stock_cls(
+        model=model_id,
+        args=stock_config(output_dir=str(tmp_path / "c"), trust_remote_code=True, **common),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    examples = list(stock.train_dataset)
+    if trainer == "dpo":
+        compare_step(stock, shared)
+    else:
+        assert_same_reward_step(reward_step(stock, examples), reward_step(shared, examples))
+    assert shared.sharing.model_check_result.passed

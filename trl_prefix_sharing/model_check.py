@@ -1,0 +1,270 @@
+"""The start-up check: judge a model on the model itself, before it trains with the shared layout.
+
+The registry (:mod:`~trl_prefix_sharing.architectures`) decides by model type, measured on tiny configs. A model it has
+not measured (custom code under its own ``model_type``, a type from a newer transformers, an option the sweep did not
+try such as a sliding window) is judged here instead: the first batch the trainer lays out gives a few examples (up to
+two prompts with at least two completions each), and the model runs them without gradients, in eval mode, three ways:
+
+- **stock**: the rows ``[prompt | completion]`` right-padded, as plain rows (the model's own positions and mask);
+- **stock, padded otherwise**: the same rows in reverse order with extra padding columns, which changes only the
+  shapes the kernels see: the *spread*, the model's own numerical noise between two stock layouts of the same rows;
+- **shared**: the rows' prefix-shared layout through the trainer's own shared forward (its mask and position ids).
+
+The compared values are the per-token log-probs of every real token (a causal LM, through TRL's fused log-prob head as
+the trainers score them) or the rewards (a sequence classifier). The shared layout passes when its largest
+difference from stock is within ``max(TOLERANCE[dtype], SPREAD_FACTOR * spread)``: the floor calibrated per compute
+dtype on the spread of stock layouts (``scripts/calibrate_model_check.py``, results in
+``docs/benchmarks/model_check.md``), widened by the model's own measured spread (a deep model in bfloat16 is noisier
+than any tiny one). Under several processes every rank checks its own batch and all ranks take the largest difference
+and spread, so they agree on the verdict. A model with a sliding window gets prompts at least one window long (its
+prompt tokens repeated), so a window counted in row positions shows; every prompt is at least `MIN_PROMPT` tokens long
+(the same way), so the completions after the first read it from other row distances than in their own rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+__all__ = ["TOLERANCE", "SPREAD_FACTOR", "ModelCheckResult", "check_rows", "run_model_check"]
+
+#: the floor of the tolerance on the largest per-token log-prob (or reward) difference, by compute dtype: about 20x
+#: the largest spread between two stock paddings measured on the calibration models (`docs/benchmarks/model_check.md`)
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-2, torch.bfloat16: 2.5e-1}
+#: the tolerance grows with the model's own spread between two stock paddings of the same rows
+SPREAD_FACTOR = 4.0
+#: how many prompts, and completions per prompt, the check runs
+MAX_PROMPTS, MAX_COMPLETIONS = 2, 4
+#: the shortest prompt the check runs (shorter ones get their tokens repeated in front)
+MIN_PROMPT = 8
+
+
+@dataclass
+class ModelCheckResult:
+    """What the start-up check measured (the largest values over every rank)."""
+
+    difference: float
+    spread: float
+    tolerance: float
+    dtype: torch.dtype
+    compared: str
+    rows: int
+    values: int
+    seconds: float
+    error: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and self.difference <= self.tolerance
+
+    def summary(self) -> str:
+        return (
+            f"shared vs stock {self.compared}: largest difference {self.difference:.3g} (tolerance {self.tolerance:.3g} "
+            f"in {str(self.dtype).removeprefix('torch.')}; two stock paddings differ by {self.spread:.3g}), "
+            f"{self.values} values of {self.rows} rows, {self.seconds:.2f} s"
+        )
+
+
+def check_rows(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_lengths: torch.Tensor | None = None,
+    examples: torch.Tensor | None = None,
+) -> list[tuple[list[int], list[list[int]]]]:
+    """The check's examples from a batch of stock rows (right or left padded): ``[(prompt, [completion, ...])]``, up
+    to `MAX_PROMPTS` prompts in the order they first appear, each with 2 to `MAX_COMPLETIONS` distinct, non-empty
+    completions, the longest first (a prompt with fewer borrows another prompt's completions, or its own tokens
+    reversed).
+
+    Args:
+        prompt_lengths: ``[R]`` the real prompt tokens of each row; None: the common start of the rows of each example
+            (``examples``; a reward batch).
+        examples: ``[R]`` the example of each row (used when ``prompt_lengths`` is None).
+    """
+    mask = attention_mask.bool().cpu()
+    rows = [ids[keep].tolist() for ids, keep in zip(input_ids.cpu(), mask, strict=True)]  # once, before training
+    if prompt_lengths is not None:
+        lengths = prompt_lengths.cpu().tolist()
+    else:
+        example_ids = (examples if examples is not None else torch.zeros(len(rows), dtype=torch.long)).cpu().tolist()
+        lengths = []
+        for row, example in zip(rows, example_ids, strict=True):
+            others = [r for r, e in zip(rows, example_ids, strict=True) if e == example]
+            lengths.append(min(_common_length(row, other) for other in others) if len(others) > 1 else len(row))
+    groups: dict[tuple, list[list[int]]] = {}
+    for row, length in zip(rows, lengths, strict=True):
+        if length < 1:
+            continue  # a row without a prompt token shares nothing
+        prompt = tuple(row[:length])
+        if prompt in groups or len(groups) < MAX_PROMPTS:
+            groups.setdefault(prompt, []).append(row[length:])
+    if not groups:
+        raise ValueError("The start-up check found no row with a prompt in the first batch.")
+    spares = [completion for completions in groups.values() for completion in completions if completion]
+    out = []
+    for prompt, completions in groups.items():
+        # distinct and not empty, so the second completion sits after the first in the shared row, where its
+        # positions and its view of the prompt differ from its row's
+        chosen = sorted({tuple(c) for c in completions if c}, key=lambda c: (-len(c), c))[:MAX_COMPLETIONS]
+        chosen = [list(c) for c in chosen]
+        for candidate in (*spares, list(reversed(prompt))):
+            if len(chosen) >= 2:
+                break
+            if candidate not in chosen:
+                chosen.append(list(candidate))
+        if len(chosen) < 2:
+            chosen.append(chosen[0] + chosen[0][:1])  # distinct by its length
+        out.append((list(prompt), chosen))
+    return out
+
+
+def _common_length(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _stretch(examples, window: int | None, max_positions: int | None):
+    """Prompts of at least `MIN_PROMPT` tokens and at least one window long (their tokens repeated in front). The
+    second completion of a shared row reads the prompt from further away in the row than in its own row; a model
+    that counts positions (or a window) in the row sees other distances there. The last prompt token starts each
+    branch again (it predicts each completion's first token), so only a longer prompt is read across branches, and
+    a position error that shifts a whole branch alike is invisible to relative positions (RoPE)."""
+    out = []
+    for prompt, completions in examples:
+        longest = len(prompt) + max(len(c) for c in completions)
+        need = max(MIN_PROMPT, window or 0) - len(prompt)
+        if max_positions is not None:
+            need = min(need, max_positions - longest)
+        if need > 0:
+            prompt = (prompt * (need // len(prompt) + 1))[:need] + prompt
+        out.append((prompt, completions))
+    return out
+
+
+def _tensors(examples, pad_token_id: int, device):
+    rows, prompt_lengths, example_ids = [], [], []
+    for number, (prompt, completions) in enumerate(examples):
+        for completion in completions:
+            rows.append(prompt + completion)
+            prompt_lengths.append(len(prompt))
+            example_ids.append(number)
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        attention_mask[i, : len(row)] = 1
+    return (
+        input_ids.to(device),
+        attention_mask.to(device),
+        torch.tensor(prompt_lengths, device=device),
+        torch.tensor(example_ids, device=device),
+    )
+
+
+def compute_dtype(model, device) -> torch.dtype:
+    """The dtype the model computes in: autocast's where it is on, else its output embedding's."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    embeddings = model.get_output_embeddings() or model.get_input_embeddings()
+    weight = getattr(embeddings, "weight", None)
+    if weight is not None and weight.is_floating_point():
+        return weight.dtype
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def _scores(model, kind: str, input_ids, attention_mask, layout=None):
+    """The compared values of every row: ``[R, L - 1]`` per-token log-probs through TRL's fused head (``kind``
+    "fused") with the mask of the scored ones, or ``[R, labels]`` rewards ("classifier")."""
+    shared = {} if layout is None else {"prefix_sharing": layout}
+    if kind == "classifier":
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, **shared).logits.float()
+        return logits, torch.ones_like(logits, dtype=torch.bool)
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    valid = labels[:, 1:] != -100
+    out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True, **shared)
+    return out.log_probs.float(), valid
+
+
+def _largest(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return (a - b).abs().masked_fill(~valid, 0).amax() if valid.any() else a.new_zeros(())
+
+
+def run_model_check(
+    model,
+    examples,
+    layout_fn,
+    kind: str,
+    pad_token_id: int,
+    window: int | None = None,
+    autocast=None,
+) -> ModelCheckResult:
+    """Run the start-up check on ``model`` (the unwrapped model, its shared forward installed).
+
+    Args:
+        examples: from :func:`check_rows`.
+        layout_fn: ``layout_fn(input_ids, attention_mask, prompt_lengths, examples)``: the shared layout, with its
+            mask, that the trainer builds for such rows.
+        kind: ``"fused"`` (a causal LM with TRL's fused log-prob head) or ``"classifier"`` (a reward model).
+        window: the model's sliding window (prompts are stretched to it).
+        autocast: the trainer's `accelerator.autocast` (the check runs in the precision training runs in).
+    """
+    start = time.perf_counter()
+    text_config = model.config.get_text_config()
+    examples = _stretch(examples, window, getattr(text_config, "max_position_embeddings", None))
+    device = next(model.parameters()).device
+    input_ids, attention_mask, prompt_lengths, example_ids = _tensors(examples, pad_token_id, device)
+    extra = 8  # the other stock layout: rows reversed, 8 more padding columns
+    other_ids = torch.nn.functional.pad(input_ids.flip(0), (0, extra), value=pad_token_id)
+    other_mask = torch.nn.functional.pad(attention_mask.flip(0), (0, extra), value=0)
+    was_training = model.training
+    error, difference, spread, values = None, None, None, 0
+    dtype = torch.float32
+    model.eval()
+    try:
+        with torch.no_grad(), autocast() if autocast is not None else contextlib.nullcontext():
+            dtype = compute_dtype(model, device)
+            try:
+                stock, valid = _scores(model, kind, input_ids, attention_mask)
+                other, _ = _scores(model, kind, other_ids, other_mask)
+                other = other.flip(0)[:, : stock.shape[1]]
+                layout = layout_fn(input_ids, attention_mask, prompt_lengths, example_ids)
+                shared, _ = _scores(model, kind, input_ids, attention_mask, layout)
+                difference, spread = _largest(shared, stock, valid), _largest(other, stock, valid)
+                values = int(valid.sum())
+                if not torch.isfinite(stock).all():
+                    raise ValueError("the stock rows themselves give non-finite values")
+            except Exception as exc:  # noqa: BLE001 - reported as the verdict, on every rank
+                error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+            measured = torch.tensor(
+                [float("inf"), float("inf")] if error else [difference, spread], device=device, dtype=torch.float32
+            )
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                if torch.distributed.get_world_size() > 1:
+                    torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX)
+    finally:
+        model.train(was_training)
+    difference, spread = measured.tolist()  # once, before training
+    if error is None and difference == float("inf"):
+        error = "the check failed on another process (its error is in that process's log)"
+    tolerance = max(TOLERANCE.get(dtype, TOLERANCE[torch.bfloat16]), SPREAD_FACTOR * spread)
+    compared = "rewards" if kind == "classifier" else "per-token log-probs"
+    return ModelCheckResult(
+        difference=difference,
+        spread=spread,
+        tolerance=tolerance,
+        dtype=dtype,
+        compared=compared,
+        rows=int(input_ids.shape[0]),
+        values=values,
+        seconds=time.perf_counter() - start,
+        error=error,
+    )
