@@ -70,6 +70,14 @@ def make_trainer(args, tokenizer, dataset, eval_dataset=None):
         learning_rate=1e-3,
         gradient_accumulation_steps=args.grad_accum,
     )
+    if args.kind == "dpo" and args.model_type != "qwen2":
+        from custom_models import custom_model  # a type outside the registry: the start-up check runs on each rank
+
+        model = custom_model(args.model_type, len(tokenizer), seed=0, initializer_range=0.2)
+        ref = custom_model(args.model_type, len(tokenizer), seed=1, initializer_range=0.2)
+        return DPOTrainer(
+            model=model, ref_model=ref, args=DPOConfig(**common), train_dataset=dataset, processing_class=tokenizer
+        )
     if args.kind == "dpo":
         model = make_model("qwen2", len(tokenizer), seed=0)
         ref = make_model("qwen2", len(tokenizer), seed=1)
@@ -106,6 +114,7 @@ def main():
     parser.add_argument("--grad_accum", type=int, default=2)
     parser.add_argument("--replay_ranks", type=int, default=0)
     parser.add_argument("--evaluate", type=int, default=0, help="evaluate on a held-out set instead of training")
+    parser.add_argument("--model_type", default="qwen2", help="DPO: qwen2, or a custom type of custom_models.py")
     args = parser.parse_args()
     datasets.disable_progress_bars()
     torch.set_num_threads(1)
@@ -133,8 +142,13 @@ def main():
     loader = trainer.get_train_dataloader()
     sampler = getattr(loader.batch_sampler, "batch_sampler", loader.batch_sampler)
     batches = [list(b) for b in sampler] if args.packing or args.replay_ranks else []
-    trainer.train()
     rank = trainer.args.process_index
+    try:
+        trainer.train()
+    except ValueError as error:  # the start-up check's refusal, on every rank
+        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "error": str(error), "check": vars(trainer.sharing.model_check_result)}, f, default=str)
+        finish()
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(
             {
@@ -145,8 +159,10 @@ def main():
                 "steps": counter.steps,
                 "losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
                 "pairs_per_batch": [len(b) for b in batches],
+                "check": None if trainer.sharing.model_check_result is None else vars(trainer.sharing.model_check_result),
             },
             f,
+            default=str,
         )
     finish()
 

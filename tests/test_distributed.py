@@ -53,6 +53,22 @@ def test_two_process_packed_epoch(tmp_path, prefix_sharing):
     assert ranks[0]["losses"] == ranks[1]["losses"] and len(ranks[0]["losses"]) == ranks[0]["steps"]
 
 
+@pytest.mark.parametrize("model_type", ["ps_plain_decoder", "ps_row_causal"])
+def test_two_process_start_up_check_agrees(tmp_path, model_type):
+    """A custom type outside the registry, two processes with packed batches of their own: both ranks run the check,
+    take the largest difference of both, and reach the same verdict (trained on both, or refused on both, no hang)."""
+    ranks = _launch(tmp_path, 2, "--model_type", model_type)
+    checks = [r["check"] for r in ranks]
+    assert checks[0]["difference"] == checks[1]["difference"] and checks[0]["values"] > 0
+    assert checks[0]["spread"] == checks[1]["spread"]
+    if model_type == "ps_plain_decoder":
+        assert all(c["error"] is None and c["difference"] <= c["tolerance"] for c in checks)
+        assert ranks[0]["steps"] == ranks[1]["steps"] > 0
+    else:
+        assert all("start-up check" in r["error"] and "prefix_sharing=False" in r["error"] for r in ranks)
+        assert checks[0]["difference"] > 100 * checks[0]["tolerance"]
+
+
 SAME_GLOBAL_BATCH = {
     # (one process, two processes): per_device_train_batch_size 4 on one rank = 2 on each of two
     "dpo-sharing": (

@@ -81,7 +81,7 @@ def test_custom_type_that_honours_the_layout_trains_as_stock(tmp_path, tokenizer
     compare_step(stock, shared)
     result = shared.sharing.model_check_result
     assert result is not None and result.passed and result.values > 0
-    assert result.difference <= result.tolerance == 1e-4  # float32's floor (the CPU spread is 0)
+    assert result.difference <= result.tolerance == 1e-3  # float32's floor (the CPU spread is 0 here)
     assert shared.sharing.pending_check is None  # once
 
 
@@ -94,7 +94,7 @@ def test_model_that_breaks_the_layout_is_refused_before_training(tmp_path, token
     with pytest.raises(ValueError, match=_refusal(model_type)):
         step(shared, examples)
     result = shared.sharing.model_check_result
-    assert result.values > 0 and result.difference > 1000 * result.tolerance  # a wide margin
+    assert result.values > 0 and result.difference > 100 * result.tolerance  # a wide margin
     for name, value in shared.model.named_parameters():
         assert torch.equal(value, before[name])
 
@@ -148,7 +148,7 @@ def test_reward_models_are_checked_on_their_rewards(tmp_path, tokenizer):
                 reward_step(shared, examples)
         results[model_type] = shared.sharing.model_check_result
     assert results["ps_plain_decoder"].passed and results["ps_plain_decoder"].compared == "rewards"
-    assert results["ps_row_causal"].difference > 1000 * results["ps_row_causal"].tolerance
+    assert results["ps_row_causal"].difference > 100 * results["ps_row_causal"].tolerance
 
 
 @pytest.mark.parametrize("model_type", ["ps_plain_decoder", "ps_row_positions"])

@@ -12,7 +12,10 @@ The contract: an architecture gives stock TRL's numbers under the shared layout 
 Whether a family meets it is *measured*, not assumed: ``scripts/sweep_architectures.py`` runs one DPO step and one
 reward step per family (and per window / MoE option) against stock TRL, and writes the results to
 ``data/architectures.json``. :func:`check_supported_model` reads that file: a family is allowed when every measured
-variant gave stock's numbers; a refused family's error names the reason from :data:`REFUSED`.
+variant gave stock's numbers; a refused family's error names the reason from :data:`REFUSED` (or the measured
+difference). What the registry cannot settle (a model type it does not list, custom code under its own type, a family
+whose tiny config failed, a window a family was not measured with) goes to the start-up check
+(:mod:`~trl_prefix_sharing.model_check`), which judges the user's own model on its first batch.
 ``tests/test_architectures.py`` re-runs the matrix of the supported families in CI.
 """
 

@@ -32,9 +32,11 @@ import torch
 
 __all__ = ["TOLERANCE", "SPREAD_FACTOR", "ModelCheckResult", "check_rows", "run_model_check"]
 
-#: the floor of the tolerance on the largest per-token log-prob (or reward) difference, by compute dtype: about 20x
-#: the largest spread between two stock paddings measured on the calibration models (`docs/benchmarks/model_check.md`)
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-2, torch.bfloat16: 2.5e-1}
+#: the floor of the tolerance on the largest per-token log-prob (or reward) difference, by compute dtype: above the
+#: largest shared-vs-stock difference of the calibration models (float32 4e-5, bfloat16 0.09) and far under the
+#: smallest difference of their broken layouts (above 1 nat in both), `docs/benchmarks/model_check.md`; float16 (3 more
+#: mantissa bits than bfloat16) a fifth of bfloat16's
+TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-1, torch.bfloat16: 5e-1}
 #: the tolerance grows with the model's own spread between two stock paddings of the same rows
 SPREAD_FACTOR = 4.0
 #: how many prompts, and completions per prompt, the check runs
