@@ -1,13 +1,12 @@
 """Calibrate the start-up check's tolerance: the spread between two stock paddings of the same rows, the shared
 layout's difference from stock, and the difference of three broken layouts, per compute dtype.
 
-Models: the custom test types of ``tests/custom_models.py`` (a plain decoder, a windowed one, and the same weights under
-three backbones that break the layout: positions from the row index, causal attention over the whole row, a window
-counted in row positions), at three sizes and two initialisation scales (the default 0.02, nearly uniform outputs as in
-the tests, and 0.2, sharper outputs closer to a trained model's; the largest size at 0.2 only), in float32 and
-bfloat16. Rows: synthetic preference
-pairs (prompts of 20 to 200 words, answers of 4 to 40), two prompts per check as the trainers run it, two seeds. Prints one JSON line
-per case and, with ``--markdown``, a table.
+Models: the custom test types of ``tests/custom_models.py`` (a plain decoder, a windowed one, and the same weights
+under three backbones that break the layout: positions from the row index, causal attention over the whole row, a
+window counted in row positions), at three sizes and two initialisation scales (the default 0.02, nearly uniform
+outputs as in the tests, and 0.2, sharper outputs closer to a trained model's; the largest size at 0.2 only), in
+float32 and bfloat16. Rows: synthetic preference pairs (prompts of 20 to 200 words, answers of 4 to 40), two prompts
+per check as the trainers run it, two seeds. Prints one JSON line per case and, with ``--markdown``, a table.
 
     PYTHONPATH=$PWD python scripts/calibrate_model_check.py --markdown docs/benchmarks/model_check.md
 """
@@ -50,7 +49,9 @@ def measure(model, rows, tokenizer) -> dict:
         result = run_model_check(
             model,
             rows,
-            lambda ids, mask, lengths, example_ids: sharing.layout(ids, mask, prompt_lengths=lengths, examples=example_ids),
+            lambda ids, mask, lengths, example_ids: sharing.layout(
+                ids, mask, prompt_lengths=lengths, examples=example_ids
+            ),
             "fused",
             sharing.pad_token_id,
             window=window_layout(model.config)[0],
@@ -122,8 +123,8 @@ def write_markdown(results, path: pathlib.Path) -> None:
             + f" | {tolerance:.2g} |"
         )
     path.write_text(
-        "# Start-up check: calibration\n\nLargest per-token log-prob difference over two seeds (the largest spread and "
-        "shared difference, the smallest broken difference), from\n\n"
+        "# Start-up check: calibration\n\nLargest per-token log-prob difference over two seeds (the largest spread "
+        "and shared difference, the smallest broken difference), from\n\n"
         "    PYTHONPATH=$PWD python scripts/calibrate_model_check.py --markdown docs/benchmarks/model_check.md\n\n"
         + "\n".join(lines)
         + "\n"

@@ -71,7 +71,9 @@ def _register(model_type: str, base_config, base_model, causal_lm, classifier=No
     classes = {}
     for auto, base in ((AutoModelForCausalLM, causal_lm), (AutoModelForSequenceClassification, classifier)):
         if base is not None:
-            classes[auto] = type(f"{model_type}_{base.__name__}", (base,), {"config_class": config_class, "__init__": init})
+            classes[auto] = type(
+                f"{model_type}_{base.__name__}", (base,), {"config_class": config_class, "__init__": init}
+            )
     # the backbone a classifier builds with `AutoModel`
     classes[AutoModel] = type(f"{model_type}_{base_model.__name__}", (base_model,), {"config_class": config_class})
     try:

@@ -123,7 +123,8 @@ def test_qlora_4bit_matches_stock(tmp_path, tokenizer):
     """4-bit QLoRA (bitsandbytes, NF4) with prefix sharing trains like stock TRL with the same adapters: log-probs,
     loss and metrics to 1e-5. The adapters' gradients agree to bf16 round-off (relative 1e-2, about 4e-3 in norm
     here, 2**-8): bitsandbytes' CPU 4-bit backward is not fp32-exact, so rows of other shapes round differently
-    (stock TRL against itself is bitwise equal; unquantized LoRA agrees to 1e-5, test_dpo_equivalence)."""
+    (stock TRL against itself is bitwise equal; unquantized LoRA agrees to 1e-5, test_dpo_equivalence). The start-up
+    check runs on the quantized PEFT model (`prefix_sharing_model_check="always"`) and passes."""
     pytest.importorskip("bitsandbytes")
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -137,7 +138,7 @@ def test_qlora_4bit_matches_stock(tmp_path, tokenizer):
         r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"], lora_dropout=0.0
     )
     trainers = []
-    for ours in (None, True):
+    for ours in (None, {"prefix_sharing": True, "prefix_sharing_model_check": "always"}):
         model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, dtype=torch.float32)
         cls = trl.DPOTrainer if ours is None else DPOTrainer
         trainers.append(
@@ -157,3 +158,4 @@ def test_qlora_4bit_matches_stock(tmp_path, tokenizer):
                 param.data.normal_(0, 0.05)
     _, shared = compare_step(*trainers, grad_tolerances={"atol": 1e-4, "rtol": 1e-2})
     assert shared["grads"] and all("lora" in name for name in shared["grads"])
+    assert trainers[1].sharing.model_check_result.passed  # the start-up check runs on the quantized PEFT model too

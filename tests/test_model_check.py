@@ -131,7 +131,10 @@ def test_reward_models_are_checked_on_their_rewards(tmp_path, tokenizer):
     for model_type in ("ps_plain_decoder", "ps_row_causal"):
         model = custom_model(model_type, len(tokenizer), classifier=True, initializer_range=INIT)
         stock = trl.RewardTrainer(
-            model=copy.deepcopy(model), args=reward_args(tmp_path, None), train_dataset=dataset, processing_class=tokenizer
+            model=copy.deepcopy(model),
+            args=reward_args(tmp_path, None),
+            train_dataset=dataset,
+            processing_class=tokenizer,
         )
         shared = RewardTrainer(
             model=copy.deepcopy(model),
@@ -204,7 +207,9 @@ def test_trl_trust_remote_code_with_prefix_sharing(tmp_path, tokenizer, trainer)
         train_dataset=dataset,
         processing_class=tokenizer,
     )
-    assert type(shared.model).__name__ == ("RemoteForCausalLM" if trainer == "dpo" else "RemoteForSequenceClassification")
+    assert type(shared.model).__name__ == (
+        "RemoteForCausalLM" if trainer == "dpo" else "RemoteForSequenceClassification"
+    )
     stock = stock_cls(
         model=model_id,
         args=stock_config(output_dir=str(tmp_path / "c"), trust_remote_code=True, **common),

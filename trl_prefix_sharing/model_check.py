@@ -65,8 +65,9 @@ class ModelCheckResult:
 
     def summary(self) -> str:
         return (
-            f"shared vs stock {self.compared}: largest difference {self.difference:.3g} (tolerance {self.tolerance:.3g} "
-            f"in {str(self.dtype).removeprefix('torch.')}; two stock paddings differ by {self.spread:.3g}), "
+            f"shared vs stock {self.compared}: largest difference {self.difference:.3g} "
+            f"(tolerance {self.tolerance:.3g} in {str(self.dtype).removeprefix('torch.')}; "
+            f"two stock paddings differ by {self.spread:.3g}), "
             f"{self.values} values of {self.rows} rows, {self.seconds:.2f} s"
         )
 
@@ -200,6 +201,16 @@ def _largest(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor) -> torch.Ten
     return (a - b).abs().masked_fill(~valid, 0).amax() if valid.any() else a.new_zeros(())
 
 
+def _eval_mode(model) -> None:
+    """Dropout off (eval mode), except on bitsandbytes' quantized layers, which have no dropout and which, on a CPU in
+    eval mode without gradients, repack their weights in place for an inference kernel."""
+    training = {module for module in model.modules() if module.training}
+    model.eval()
+    for module in training:
+        if type(module).__module__.startswith("bitsandbytes."):
+            module.training = True
+
+
 def run_model_check(
     model,
     examples,
@@ -230,7 +241,7 @@ def run_model_check(
     was_training = model.training
     error, difference, spread, values = None, None, None, 0
     dtype = torch.float32
-    model.eval()
+    _eval_mode(model)
     try:
         with torch.no_grad(), autocast() if autocast is not None else contextlib.nullcontext():
             dtype = compute_dtype(model, device)
