@@ -22,6 +22,8 @@ import torch
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+#: what follows this line in the markdown file is kept when the table is written again
+TABLE_END = "<!-- end of the generated table -->"
 sys.path.insert(0, str(ROOT / "tests"))
 
 
@@ -122,12 +124,15 @@ def write_markdown(results, path: pathlib.Path) -> None:
             + ", ".join(f"{b.removeprefix('ps_')} {v:.2g}" for b, v in worst.items())
             + f" | {tolerance:.2g} |"
         )
+    tail = path.read_text().partition(TABLE_END)[2] if path.exists() else "\n"
     path.write_text(
         "# Start-up check: calibration\n\nLargest per-token log-prob difference over two seeds (the largest spread "
         "and shared difference, the smallest broken difference), from\n\n"
         "    PYTHONPATH=$PWD python scripts/calibrate_model_check.py --markdown docs/benchmarks/model_check.md\n\n"
         + "\n".join(lines)
-        + "\n"
+        + "\n\n"
+        + TABLE_END
+        + tail
     )
 
 
