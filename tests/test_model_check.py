@@ -222,3 +222,53 @@ def test_trl_trust_remote_code_with_prefix_sharing(tmp_path, tokenizer, trainer)
     else:
         assert_same_reward_step(reward_step(stock, examples), reward_step(shared, examples))
     assert shared.sharing.model_check_result.passed
+
+
+def _other_trainer_step(name, tmp_path, tokenizer, model_type, monkeypatch):
+    """(stock result, a callable running ours) for one batch of KTO, ORPO, CPO or online DPO on a custom type."""
+    import test_kto_equivalence as kto
+    import test_online_dpo_equivalence as online
+    import test_orpo_cpo_equivalence as orpo
+
+    module = {"kto": kto, "orpo": orpo, "cpo": orpo, "online_dpo": online}[name]
+
+    def make(family, vocab_size, seed=0, **overrides):
+        return custom_model(family, vocab_size, seed=seed, initializer_range=INIT, **overrides)
+
+    monkeypatch.setattr(module, "make_model", make)
+    if name == "kto":
+        stock, shared = kto.make_trainers(tmp_path, tokenizer, kto.unpaired_dataset(), family=model_type)
+        examples = [shared.train_dataset[i] for i in range(4)]
+        return kto.kto_step(stock, examples), lambda: kto.kto_step(shared, examples), shared, kto.assert_same_step
+    if name == "online_dpo":
+        stock, shared = online.make_trainers(tmp_path, model_type, tokenizer)
+        batch = online.crafted_batch(tokenizer)
+        return (
+            online.forward_and_grads(stock, *batch),
+            lambda: online.forward_and_grads(shared, *batch),
+            shared,
+            lambda a, b: torch.testing.assert_close(b[0], a[0], atol=1e-5, rtol=1e-5),
+        )
+    stock, shared = orpo.make_trainers(tmp_path, name, tokenizer, awkward_text_dataset(), family=model_type)
+    examples = [shared.train_dataset[i] for i in range(len(shared.train_dataset))]
+    return (
+        orpo.loss_and_grads(stock, examples),
+        lambda: orpo.loss_and_grads(shared, examples),
+        shared,
+        orpo.assert_same_batch,
+    )
+
+
+@pytest.mark.parametrize("model_type", ["ps_plain_decoder", "ps_row_causal"])
+@pytest.mark.parametrize("name", ["kto", "orpo", "cpo", "online_dpo"])
+def test_every_trainer_runs_the_check(tmp_path, tokenizer, monkeypatch, name, model_type):
+    """KTO (rows laid out in the step), ORPO and CPO (concatenated rows), online DPO (generated rows): a custom type
+    that honours the layout gives stock's numbers after the check; one that does not is refused at its first batch."""
+    expected, ours, shared, assert_same = _other_trainer_step(name, tmp_path, tokenizer, model_type, monkeypatch)
+    if model_type == "ps_plain_decoder":
+        assert_same(expected, ours())
+        assert shared.sharing.model_check_result.passed
+    else:
+        with pytest.raises(ValueError, match=_refusal(model_type)):
+            ours()
+        assert shared.sharing.model_check_result.difference > 100 * shared.sharing.model_check_result.tolerance
