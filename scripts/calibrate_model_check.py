@@ -45,7 +45,7 @@ def measure(model, rows, tokenizer) -> dict:
     from trl_prefix_sharing.sharing import PrefixSharing
 
     sharing = PrefixSharing([model], tokenizer, "sdpa", torch.device("cpu"), fuse_lm_head=True)
-    sharing.pending_check = None
+    sharing.pending_check = []
     sharing.attach()
     try:
         result = run_model_check(

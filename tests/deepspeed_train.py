@@ -120,7 +120,11 @@ def main():
     for run in args.runs.split(","):
         kind = run.split("-")[0]
         if run in ("dpo", "reward"):
-            todo = [("stock", None, {}), ("ours", {"prefix_sharing": True}, {})]
+            # the start-up check too: the policy under ZeRO's hooks (stage 3: partitioned parameters), ranks agreeing
+            todo = [
+                ("stock", None, {}),
+                ("ours", {"prefix_sharing": True, "prefix_sharing_model_check": "always"}, {}),
+            ]
         elif run == "dpo-packing":
             todo = [
                 (
@@ -157,6 +161,9 @@ def main():
                 "partitioning": partitioning(trainer),
                 "world": trainer.args.world_size,
                 "pairs_per_batch": pairs_per_batch,
+                "check": None
+                if getattr(trainer, "sharing", None) is None or trainer.sharing.model_check_result is None
+                else trainer.sharing.model_check_result.summary(),
             }
             if trainer.args.process_index == 0:
                 torch.save(weights, os.path.join(args.out, f"{run}-{label}.pt"))

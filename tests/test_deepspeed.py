@@ -86,6 +86,7 @@ def test_deepspeed_zero_two_processes_equal_stock(tmp_path, stage):
         _assert_same_run(tmp_path, f"{kind}-stock", f"{kind}-ours", stock["losses"], ours["losses"])
         for rank in ranks:
             _assert_partitioned(rank[f"{kind}/ours"]["partitioning"], stage)
+            assert rank[f"{kind}/ours"]["check"].startswith("shared vs stock")  # the start-up check ran and passed
     if stage != 3:
         return
     # packing: the ranks hold different numbers of pairs; each step's loss is the plain mean over all of its pairs,

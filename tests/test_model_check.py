@@ -82,7 +82,7 @@ def test_custom_type_that_honours_the_layout_trains_as_stock(tmp_path, tokenizer
     result = shared.sharing.model_check_result
     assert result is not None and result.passed and result.values > 0
     assert result.difference <= result.tolerance == 1e-3  # float32's floor (the CPU spread is 0 here)
-    assert shared.sharing.pending_check is None  # once
+    assert shared.sharing.pending_check == []  # once
 
 
 @pytest.mark.parametrize("model_type", BROKEN)
@@ -272,3 +272,17 @@ def test_every_trainer_runs_the_check(tmp_path, tokenizer, monkeypatch, name, mo
         with pytest.raises(ValueError, match=_refusal(model_type)):
             ours()
         assert shared.sharing.model_check_result.difference > 100 * shared.sharing.model_check_result.tolerance
+
+
+def test_shared_rows_that_cannot_run_are_refused_with_the_cause(tmp_path, tokenizer):
+    stock, shared = _dpo(tmp_path, tokenizer, "ps_plain_decoder")
+
+    def failing_layout(*args, **kwargs):
+        raise RuntimeError("no kernel for this mask")
+
+    shared.sharing.layout = failing_layout
+    with pytest.raises(
+        ValueError, match=r"could not run .* \(RuntimeError: no kernel for this mask\)\. Train it with"
+    ):
+        step(shared, list(shared.train_dataset))
+    assert shared.sharing.model_check_result.error == "RuntimeError: no kernel for this mask"

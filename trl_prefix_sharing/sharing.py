@@ -129,15 +129,16 @@ class PrefixSharing:
         if getattr(getattr(models[0], "active_peft_config", None), "is_prompt_learning", False):
             raise ValueError("Prefix sharing does not support prompt-learning PEFT adapters.")
         reasons = [check_architecture(model.config, trainer_name, supports_vision) for model in models]
-        #: why the start-up check runs at the first batch laid out (None: it does not, or it has run)
-        self.pending_check = next((reason for reason in reasons if reason is not None), None)
         if model_check == "always":
             if any(is_vision_config(model.config) for model in models):
                 raise ValueError(
                     "`prefix_sharing_model_check='always'` runs text rows; a vision-language model is judged by its "
                     "measured registry entry. Set `prefix_sharing_model_check='auto'`."
                 )
-            self.pending_check = self.pending_check or "requested (`prefix_sharing_model_check='always'`)"
+            reasons = [reason or "requested (`prefix_sharing_model_check='always'`)" for reason in reasons]
+        #: the models the start-up check runs at the first batch laid out, and why (empty: none, or it has run)
+        self.pending_check = [(model, reason) for model, reason in zip(models, reasons, strict=True) if reason]
+        #: what the check measured (the policy's result when it checked several models)
         self.model_check_result = None
         self._checking = False
         self.models = list(models)
@@ -205,7 +206,7 @@ class PrefixSharing:
         layout = inputs.get("prefix_sharing") if isinstance(inputs, Mapping) else None
         if layout is None:
             raise RuntimeError("Prefix sharing is on but the batch has no layout: was the data collator replaced?")
-        if self.pending_check is not None:
+        if self.pending_check:
             completion_mask = inputs.get("completion_mask")
             self.check_model(
                 inputs["input_ids"],
@@ -242,7 +243,7 @@ class PrefixSharing:
     ) -> dict:
         """The layout, with its mask, of stock rows built in the training step (the trie of the rows; ``examples``,
         ``prompt_lengths`` and ``score_padding``: see `plan_layout`). On the rows' device; one host read."""
-        if self.pending_check is not None:
+        if self.pending_check:
             if prompt_lengths is None and examples is None:
                 raise ValueError("The start-up check needs the prompt lengths or the examples of the rows.")
             self.check_model(input_ids, attention_mask, prompt_lengths=prompt_lengths, examples=examples)
@@ -274,7 +275,7 @@ class PrefixSharing:
         Built once per set of rows: it is kept while the tensors the rows were read from live unchanged (``source``,
         default ``input_ids`` and ``attention_mask``; views of one generation batch count as the same rows), so the
         old-policy, reference and training passes over the same rows share one layout and one mask."""
-        if self.pending_check is not None:
+        if self.pending_check:
             self.check_model(input_ids, attention_mask, prompt_lengths=attention_mask[:, :prompt_length].sum(1))
         source = (input_ids, attention_mask) if source is None else source
         key = (prompt_length, score_padding)
@@ -297,41 +298,48 @@ class PrefixSharing:
     # ----------------------------------------------------------------------------------------------- model check
     def check_model(self, input_ids, attention_mask, prompt_lengths=None, examples=None) -> None:
         """The start-up check (:mod:`~trl_prefix_sharing.model_check`) on a few examples of these stock rows, once:
-        the policy model run as stock rows and as shared rows, without gradients. Logs the measured difference in one
-        line; raises, naming it, when the shared layout does not give the model's stock numbers."""
-        reason, self.pending_check = self.pending_check, None
-        model = self.models[0]
-        kind = "classifier" if type(model).__name__.endswith("ForSequenceClassification") else "fused"
+        each model that needs it (the policy, and a reference model of its own) run as stock rows and as shared
+        rows, without gradients. Logs the measured difference in one line; raises, naming it, when the shared layout
+        does not give the model's stock numbers."""
+        pending, self.pending_check = self.pending_check, []
         examples_ = check_rows(input_ids, attention_mask, prompt_lengths=prompt_lengths, examples=examples)
 
         def layout_fn(ids, mask, lengths, example_ids):
             return self.layout(ids, mask, prompt_lengths=lengths, examples=example_ids)
 
-        self._checking = True
-        try:
-            result = run_model_check(
-                model,
-                examples_,
-                layout_fn,
-                kind,
-                self.pad_token_id,
-                window=window_layout(model.config)[0],
-                autocast=self.autocast,
-            )
-        finally:
-            self._checking = False
-        self.model_check_result = result
-        name = f"'{model.config.get_text_config().model_type}' ({type(model).__name__})"
-        if not result.passed:
-            cause = f"the shared rows could not be run: {result.error}" if result.error else result.summary()
-            raise ValueError(
-                f"Prefix sharing is refused for {name}: the start-up check ran a few examples of the first batch as "
-                f"stock rows and as prefix-shared rows, and they differ ({cause}). The model does not give its own "
-                "numbers under the shared layout's attention mask and position ids. Train it with "
-                "`prefix_sharing=False`."
-            )
-        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            logger.warning(f"Prefix sharing: start-up check of {name}, {reason}: equal ({result.summary()}).")
+        for model, reason in pending:
+            kind = "classifier" if type(model).__name__.endswith("ForSequenceClassification") else "fused"
+            self._checking = True
+            try:
+                result = run_model_check(
+                    model,
+                    examples_,
+                    layout_fn,
+                    kind,
+                    self.pad_token_id,
+                    window=window_layout(model.config)[0],
+                    autocast=self.autocast,
+                )
+            finally:
+                self._checking = False
+            if self.model_check_result is None:
+                self.model_check_result = result
+            name = f"'{model.config.get_text_config().model_type}' ({type(model).__name__})"
+            if result.error is not None:
+                raise ValueError(
+                    f"Prefix sharing is refused for {name}: the start-up check could not run a few examples of the "
+                    f"first batch as prefix-shared rows ({result.error}). Train it with `prefix_sharing=False`."
+                )
+            if not result.passed:
+                raise ValueError(
+                    f"Prefix sharing is refused for {name}: the start-up check ran a few examples of the first batch "
+                    f"as stock rows and as prefix-shared rows, and they differ ({result.summary()}). The model does "
+                    "not give its own numbers under the shared layout's attention mask and position ids. Train it "
+                    "with `prefix_sharing=False`."
+                )
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+            if not distributed or torch.distributed.get_rank() == 0:
+                logger.warning(f"Prefix sharing: start-up check of {name}, {reason}: equal ({result.summary()}).")
 
 
 class _LayoutCache:
