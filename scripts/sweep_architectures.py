@@ -10,7 +10,8 @@ tests/equivalence.py's awkward data. Outcomes: ``equal``, ``differs`` (loss, log
     PYTHONPATH=$PWD python scripts/sweep_architectures.py gemma2 phi3 --write # re-measure some, keep the rest
 
 ``--write`` updates trl_prefix_sharing/data/architectures.json (what `check_supported_model` reads) and the generated
-section of README.md.
+section of README.md. ``--timeout S`` bounds each variant (default 600 s); a tiny config over 200M parameters or one no
+model can be built from is recorded as ``no tiny config`` (not measured), never run.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 REGISTRY = ROOT / "trl_prefix_sharing" / "data" / "architectures.json"
 README = ROOT / "README.md"
 BEGIN, END = "<!-- architectures: begin (scripts/sweep_architectures.py) -->", "<!-- architectures: end -->"
-TIMEOUT_S = 120  # per variant
+TIMEOUT_S = 600  # per variant (default of `--timeout`): the largest tiny models take minutes on 2 cores
+MAX_PARAMETERS = 200_000_000  # a "tiny" config above this missed its family's sizes (and could exhaust the memory)
 
 
 class _Timeout(Exception):
@@ -57,8 +59,8 @@ def _run(stock_fn, shared_fn, compare_fn) -> str:
     return "equal"
 
 
-def measure(family: str, tokenizer, dataset) -> dict:
-    """{variant: {"dpo": outcome, "reward": outcome or None}} for one model type."""
+def measure(family: str, tokenizer, dataset, timeout_s: int = TIMEOUT_S) -> dict:
+    """{variant: {"dpo": outcome, "reward": outcome or None}} for one model type; `timeout_s` per variant."""
     import equivalence as eq
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
@@ -67,15 +69,21 @@ def measure(family: str, tokenizer, dataset) -> dict:
 
     has_head = family in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
     try:
-        variants = variant_configs(make_config(family, len(tokenizer)))
+        config = make_config(family, len(tokenizer))
+        variants = variant_configs(config.get_text_config())  # a multimodal config's options are its text part's
     except Exception as error:  # noqa: BLE001 - recorded
         return {"default": {"dpo": f"no tiny config: {_short(error)}", "reward": None}}
+    parameters = _count_parameters(config)
+    if parameters is not None and parameters > MAX_PARAMETERS:
+        return {
+            "default": {"dpo": f"no tiny config: {parameters:,} parameters (over {MAX_PARAMETERS:,})", "reward": None}
+        }
     tmp = pathlib.Path(tempfile.mkdtemp())
     results = {}
     for name in variants:
         overrides = eq.family_config_kwargs(family, name)
         result = {}
-        signal.alarm(TIMEOUT_S)
+        signal.alarm(timeout_s)
         try:
             stock, shared = eq.make_trainers(tmp, family, dataset, tokenizer, config_kwargs=overrides)
             examples = list(stock.train_dataset)
@@ -93,9 +101,9 @@ def measure(family: str, tokenizer, dataset) -> dict:
                     lambda a, b: eq.assert_same_reward_step(a, b),
                 )
         except _Timeout:
-            result.setdefault("dpo", f"error: over {TIMEOUT_S} s")
+            result.setdefault("dpo", f"error: over {timeout_s} s")
         except Exception as error:  # noqa: BLE001 - building the trainers failed
-            result.setdefault("dpo", f"error: {_short(error)}")
+            result.setdefault("dpo", _build_failure(family, len(tokenizer), overrides, error))
         finally:
             signal.alarm(0)
         config_overrides = {k: v for k, v in overrides.items() if k != "attn_implementation"}
@@ -107,6 +115,32 @@ def measure(family: str, tokenizer, dataset) -> dict:
             result = {"dpo": "not applicable: the config's layer types slide nowhere"}
         results[name] = result
     return results
+
+
+def _build_failure(family: str, vocab_size: int, overrides: dict, error: BaseException) -> str:
+    """The outcome of a variant whose trainers could not be built: ``no tiny config`` when the model itself cannot be
+    built from the tiny config (a missing dependency, an inconsistent config), else ``error`` (a trainer raised)."""
+    from trl_prefix_sharing.testing import make_model
+
+    try:
+        make_model(family, vocab_size, **overrides)
+    except Exception as model_error:  # noqa: BLE001 - recorded
+        return f"no tiny config: {_short(model_error)}"
+    return f"error: {_short(error)}"
+
+
+def _count_parameters(config) -> int | None:
+    """The parameters of the causal LM `config` builds, counted on the meta device (nothing allocated); None if it
+    cannot be built there."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - the real build reports it
+        return None
+    return sum(p.numel() for p in model.parameters())
 
 
 def summarise(family: str, results: dict, tokenizer) -> tuple[str, dict]:
@@ -124,7 +158,7 @@ def summarise(family: str, results: dict, tokenizer) -> tuple[str, dict]:
             entry["attention"] = ("sdpa" if model_class._supports_sdpa else "eager") + (
                 ", flex" if model_class._supports_flex_attn else ""
             )
-            entry["moe"] = hasattr(config, "output_router_logits")
+            entry["moe"] = hasattr(config.get_text_config(), "output_router_logits")
         except Exception:  # noqa: BLE001 - notes only
             pass
         entry["failed_variants"] = {
@@ -163,7 +197,7 @@ def readme_table(registry: dict) -> str:
 
     def option(entry, config, name):
         if name in entry["variants"]:
-            return "yes (" + ", ".join(f"`{key}`" for key in variant_configs(config)[name]) + ")"
+            return "yes (" + ", ".join(f"`{key}`" for key in variant_configs(config.get_text_config())[name]) + ")"
         failed = entry.get("failed_variants", {}).get(name)
         if failed is None:
             return "-"
@@ -202,6 +236,9 @@ def main() -> None:
         "--registry", type=pathlib.Path, default=REGISTRY, help="the registry JSON to update (default: the package's)"
     )
     parser.add_argument(
+        "--timeout", type=int, default=TIMEOUT_S, help=f"seconds per variant (default {TIMEOUT_S})", metavar="S"
+    )
+    parser.add_argument(
         "--measure-refused",
         action="store_true",
         help="measure the families `REFUSED` names too (default: record their reason only)",
@@ -238,7 +275,7 @@ def main() -> None:
         if family in REFUSED and not args.measure_refused:
             results = {"default": {"dpo": "not measured: refused for the reason given"}}
         else:
-            results = measure(family, tokenizer, dataset)
+            results = measure(family, tokenizer, dataset, args.timeout)
         status, entry = summarise(family, results, tokenizer)
         for table in ("supported", "refused"):
             registry[table].pop(family, None)

@@ -383,7 +383,8 @@ def assert_same_eval_metrics(expected: dict, got: dict, rel=1e-4, abs=1e-5) -> N
 # ------------------------------------------------------------------------------------------- architecture matrix
 def family_config_kwargs(family, variant="default"):
     """Config overrides of one measured variant of `family` (trl_prefix_sharing.architectures), with the attention
-    stock runs it with: SDPA where the model class supports it, else eager."""
+    stock runs it with: SDPA where the model class supports it, else eager. A multimodal config's variants are its text
+    part's (`make_config` applies the overrides there)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from trl_prefix_sharing.architectures import variant_configs
@@ -391,4 +392,4 @@ def family_config_kwargs(family, variant="default"):
 
     config = make_config(family, 8)
     attn_implementation = "sdpa" if MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._supports_sdpa else "eager"
-    return {"attn_implementation": attn_implementation, **variant_configs(config)[variant]}
+    return {"attn_implementation": attn_implementation, **variant_configs(config.get_text_config())[variant]}

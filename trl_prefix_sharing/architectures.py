@@ -52,6 +52,25 @@ NOT_CAUSAL = (
     "not a decoder-only causal LM (encoder or encoder-decoder): tokens attend both ways, a completion sees the other"
 )
 MASK_2D = "the forward assumes a 2-D padding mask and does not honour a given 4-D mask"
+INDEXED = (
+    "sparse attention keeps the top-k keys an indexer scores over the whole row (DeepSeek sparse attention): in a "
+    "shared row the other completions' keys compete for the k places, and ties are broken by row position"
+)
+ROW_GROUPS = (
+    "tokens are grouped along the row (byte patches by entropy, n-gram hash embeddings): a completion's groups "
+    "depend on what precedes it in the shared row"
+)
+DRAFTER = (
+    "a speculative-decoding drafter: its forward reads the keys and values of a target model, it is not trained alone"
+)
+VISION = (
+    "a vision-language model outside the families whose images prefix sharing lays out (Qwen2-VL, Qwen2.5-VL, "
+    "Qwen3-VL)"
+)
+UNUSED_WINDOW = (
+    "its config always sets a sliding window (3000) that its decoder does not apply, while the shared layout's mask "
+    "would apply it"
+)
 
 #: model_type -> why prefix sharing cannot give stock's numbers, known from the model's code (the sweep measured these
 #: differing from or failing against stock; `scripts/sweep_architectures.py --measure-refused` measures them again).
@@ -60,6 +79,12 @@ REFUSED: dict[str, str] = {
     **dict.fromkeys(
         [
             "bailing_hybrid",
+            "inkling2_loop_text",
+            "inkling2_text",
+            "inkling_text",
+            "lara_mini",
+            "qwen4_exp",
+            "qwen4_exp_text",
             "bamba",
             "falcon_h1",
             "falcon_mamba",
@@ -87,7 +112,13 @@ REFUSED: dict[str, str] = {
         RECURRENT,
     ),
     **dict.fromkeys(["biogpt", "bloom", "cpmant", "mpt", "opt", "xglm"], ROW_POSITIONS),
-    **dict.fromkeys(["gpt_neo", "llama4", "llama4_text"], LOCAL_ROWS),
+    **dict.fromkeys(["deepseek_v4", "gpt_neo", "llama4", "llama4_text", "reformer"], LOCAL_ROWS),
+    **dict.fromkeys(["axk2", "deepseek_v32", "dots3_note", "dots3_note_text", "glm_moe_dsa", "hy_v4"], INDEXED),
+    **dict.fromkeys(["gemma3", "gemma3n", "git", "got_ocr2", "mllama", "phi4_multimodal"], VISION),
+    **dict.fromkeys(["gemma4_assistant", "gemma4_unified_assistant"], DRAFTER),
+    "blt": ROW_GROUPS,
+    "openai-gpt": MASK_2D,
+    "moshi": UNUSED_WINDOW,
     **dict.fromkeys(
         [
             "bart",
@@ -118,6 +149,7 @@ REFUSED: dict[str, str] = {
             "trocr",
             "whisper",
             "xlm",
+            "xlnet",
             "xlm-roberta",
             "xlm-roberta-xl",
             "xmod",
@@ -128,6 +160,8 @@ REFUSED: dict[str, str] = {
 
 #: `layer_types` entries that are not attention: any of them makes a model recurrent in the sense of the contract
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+#: `layer_types` entries refused for a reason of their own (the others that are not attention: `RECURRENT`)
+_REFUSED_LAYER_TYPES = {"chunked_attention": LOCAL_ROWS, "indexed_attention": INDEXED}
 
 # ---------------------------------------------------------------------------------------------------- variants
 #: The options a family is measured with beyond its default tiny config, under the config names it uses. A variant
@@ -183,12 +217,17 @@ def check_supported_model(config) -> str | None:
     layer_types = set(getattr(text_config, "layer_types", None) or ())
     other_layers = layer_types - _ATTENTION_LAYER_TYPES
     way_out = "Train it with `prefix_sharing=False`."
-    if other_layers - {"chunked_attention"}:
+    if other_layers - set(_REFUSED_LAYER_TYPES):
         raise ValueError(
             f"Prefix sharing is refused for '{model_type}': its layers {sorted(other_layers)} "
             f"are not attention; {RECURRENT}. {way_out}"
         )
-    if "chunked_attention" in other_layers or getattr(text_config, "attention_chunk_size", None):
+    for layer_type, reason in _REFUSED_LAYER_TYPES.items():
+        if layer_type in other_layers:
+            raise ValueError(
+                f"Prefix sharing is refused for '{model_type}' ({layer_type} layers): {reason}. {way_out}"
+            )
+    if getattr(text_config, "attention_chunk_size", None):
         raise ValueError(f"Prefix sharing is refused for '{model_type}': {LOCAL_ROWS}. {way_out}")
     if model_type in REFUSED:
         raise ValueError(f"Prefix sharing is refused for '{model_type}': {REFUSED[model_type]}. {way_out}")
