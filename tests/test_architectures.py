@@ -155,6 +155,8 @@ def test_refused_family_names_its_reason(family):
     [
         ({"layer_types": ["full_attention", "linear_attention"]}, "not attention; recurrent"),
         ({"attention_chunk_size": 4}, "chunked attention"),
+        ({"layer_types": ["full_attention", "chunked_attention"]}, r"\(chunked_attention layers\): local or chunked"),
+        ({"layer_types": ["indexed_attention", "full_attention"]}, r"\(indexed_attention layers\): sparse attention"),
         ({"model_type": "not_a_model", "output_router_logits": True}, "not measured for the model type 'not_a_model'"),
     ],
 )
