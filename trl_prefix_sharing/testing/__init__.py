@@ -47,6 +47,18 @@ _MLA_ATTENTION = dict(
 _MLA = dict(**_MLA_ATTENTION, n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1)
 #: a vision/audio tower's transformer, small (multimodal types build it; the text-only sweep never runs it)
 _TINY_VIT = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+#: Inkling 2's text model: small heads and experts (its unpadded vocabulary follows `vocab_size`)
+_INKLING2 = dict(
+    unpadded_vocab_size=None,
+    head_dim=8,
+    swa_head_dim=8,
+    swa_num_attention_heads=4,
+    swa_num_key_value_heads=2,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    intermediate_size=16,
+)
 #: DeepSeek sparse attention's indexer (its top-k stays above these sequence lengths: every visible key is kept)
 _DSA = dict(index_head_dim=8, index_n_heads=2)
 #: family (model_type) -> what its tiny config needs on top of `make_config`'s common sizes (any model_type
@@ -153,27 +165,9 @@ TINY_CONFIGS = {
         "n_shared_experts": 1,
         "moe_intermediate_size": 16,
     },
-    "inkling2_text": {
-        "unpadded_vocab_size": None,
-        "head_dim": 8,
-        "swa_head_dim": 8,
-        "swa_num_attention_heads": 4,
-        "swa_num_key_value_heads": 2,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 16,
-        "intermediate_size": 16,
-    },
+    "inkling2_text": _INKLING2,
     "inkling2_loop_text": {
-        "unpadded_vocab_size": None,
-        "head_dim": 8,
-        "swa_head_dim": 8,
-        "swa_num_attention_heads": 4,
-        "swa_num_key_value_heads": 2,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 16,
-        "intermediate_size": 16,
+        **_INKLING2,
         "n_layers_per_attn_res_block": 1,
         "loop_layer_index_start": 1,
         "loop_layer_index_end": 2,
