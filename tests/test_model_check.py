@@ -85,6 +85,20 @@ def test_custom_type_that_honours_the_layout_trains_as_stock(tmp_path, tokenizer
     assert shared.sharing.pending_check == []  # once
 
 
+def test_check_puts_every_module_mode_back(tmp_path, tokenizer):
+    """Eval mode during the check, then each module's own mode again (a module kept in eval stays there)."""
+    stock, shared = _dpo(tmp_path, tokenizer, "ps_plain_decoder")
+    shared.model.train()
+    frozen = shared.model.model.layers[0]
+    frozen.eval()
+    modes = {name: module.training for name, module in shared.model.named_modules()}
+    batch = shared._prepare_inputs(shared.data_collator(list(shared.train_dataset)))
+    shared.sharing.prepare(batch)
+    assert shared.sharing.model_check_result.passed
+    assert {name: module.training for name, module in shared.model.named_modules()} == modes
+    assert not frozen.training and shared.model.training
+
+
 @pytest.mark.parametrize("model_type", BROKEN)
 def test_model_that_breaks_the_layout_is_refused_before_training(tmp_path, tokenizer, model_type):
     stock, shared = _dpo(tmp_path, tokenizer, model_type)

@@ -201,14 +201,16 @@ def _largest(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor) -> torch.Ten
     return (a - b).abs().masked_fill(~valid, 0).amax() if valid.any() else a.new_zeros(())
 
 
-def _eval_mode(model) -> None:
+def _eval_mode(model) -> set:
     """Dropout off (eval mode), except on bitsandbytes' quantized layers, which have no dropout and which, on a CPU in
-    eval mode without gradients, repack their weights in place for an inference kernel."""
+    eval mode without gradients, repack their weights in place for an inference kernel. Returns the modules that were
+    in training mode (each module's mode is put back as it was)."""
     training = {module for module in model.modules() if module.training}
     model.eval()
     for module in training:
         if type(module).__module__.startswith("bitsandbytes."):
             module.training = True
+    return training
 
 
 def run_model_check(
@@ -238,10 +240,9 @@ def run_model_check(
     extra = 8  # the other stock layout: rows reversed, 8 more padding columns
     other_ids = torch.nn.functional.pad(input_ids.flip(0), (0, extra), value=pad_token_id)
     other_mask = torch.nn.functional.pad(attention_mask.flip(0), (0, extra), value=0)
-    was_training = model.training
     error, difference, spread, values = None, None, None, 0
     dtype = torch.float32
-    _eval_mode(model)
+    training = _eval_mode(model)
     try:
         with torch.no_grad(), autocast() if autocast is not None else contextlib.nullcontext():
             dtype = compute_dtype(model, device)
@@ -264,7 +265,8 @@ def run_model_check(
                 if torch.distributed.get_world_size() > 1:
                     torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX)
     finally:
-        model.train(was_training)
+        for module in model.modules():
+            module.training = module in training
     difference, spread = measured.tolist()  # once, before training
     if error is None and difference == float("inf"):
         error = "the check failed on another process (its error is in that process's log)"
