@@ -84,6 +84,15 @@ class PrefixSharingCollator:
             ids[rows] = example
         return ids.to(batch["input_ids"].device)
 
+    @staticmethod
+    def prompt_lengths(batch) -> torch.Tensor | None:
+        """``[rows]``: each stock row's prompt tokens, from the batch's completion mask (None without one: the common
+        start of each example's rows counts as its prompt)."""
+        completion_mask = batch.get("completion_mask")
+        if completion_mask is None:
+            return None
+        return prompt_lengths_from_completion_mask(batch["attention_mask"], completion_mask)
+
     def plan(self, batch) -> LayoutPlan:
         """The trie of this batch's rows (see :func:`~trl_prefix_sharing.layout.plan_layout`)."""
         across = self.across_examples and not has_vision_inputs(batch)
@@ -91,15 +100,10 @@ class PrefixSharingCollator:
 
     def _plan(self, batch, examples: torch.Tensor, across: bool) -> LayoutPlan:
         """The trie of this batch's rows, ``examples`` being the example (or packing unit) of each row."""
-        completion_mask = batch.get("completion_mask")
         return plan_layout(
             batch["input_ids"],
             batch["attention_mask"],
-            prompt_lengths=(
-                None
-                if completion_mask is None
-                else prompt_lengths_from_completion_mask(batch["attention_mask"], completion_mask)
-            ),
+            prompt_lengths=self.prompt_lengths(batch),
             examples=examples,
             across_examples=across,
             share=self.share_prefix,

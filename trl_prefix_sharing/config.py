@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import trl
 
 from .attention import ATTN_IMPLEMENTATIONS
+from .model_check import MODES as MODEL_CHECK_MODES
 
 
 _SHARING_DOC = """
@@ -90,7 +91,7 @@ class PrefixSharingArguments:
         metadata={
             "help": "Run a few examples of the first batch through the model as stock and as shared rows and stop "
             "with an error if they differ: 'auto' for models outside the measured registry, 'always' for every model.",
-            "choices": ["auto", "always"],
+            "choices": list(MODEL_CHECK_MODES),
         },
     )
     prefix_sharing_checks: bool | None = field(
@@ -102,9 +103,10 @@ class PrefixSharingArguments:
     )
 
     def _check_prefix_sharing_arguments(self) -> None:
-        if self.prefix_sharing_model_check not in ("auto", "always"):
+        if self.prefix_sharing_model_check not in MODEL_CHECK_MODES:
             raise ValueError(
-                f"`prefix_sharing_model_check` must be 'auto' or 'always', got {self.prefix_sharing_model_check!r}."
+                f"`prefix_sharing_model_check` must be one of {MODEL_CHECK_MODES}, got "
+                f"{self.prefix_sharing_model_check!r}."
             )
         if self.prefix_sharing_attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(

@@ -30,7 +30,10 @@ from dataclasses import dataclass
 import torch
 
 
-__all__ = ["TOLERANCE", "SPREAD_FACTOR", "ModelCheckResult", "check_rows", "run_model_check"]
+__all__ = ["MODES", "TOLERANCE", "SPREAD_FACTOR", "ModelCheckResult", "check_rows", "distributed", "run_model_check"]
+
+#: `prefix_sharing_model_check`: for the models the measured registry does not cover, or for every model
+MODES = ("auto", "always")
 
 #: the floor of the tolerance on the largest per-token log-prob (or reward) difference, by compute dtype: above the
 #: largest shared-vs-stock difference of the calibration models (float32 4e-5, bfloat16 0.12) and far under the
@@ -201,6 +204,11 @@ def _largest(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor) -> torch.Ten
     return (a - b).abs().masked_fill(~valid, 0).amax() if valid.any() else a.new_zeros(())
 
 
+def distributed() -> bool:
+    """Whether torch.distributed runs (the check's verdict is then agreed by all ranks, and logged by rank 0)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def _eval_mode(model) -> set:
     """Dropout off (eval mode), except on bitsandbytes' quantized layers, which have no dropout and which, on a CPU in
     eval mode without gradients, repack their weights in place for an inference kernel. Returns the modules that were
@@ -261,9 +269,8 @@ def run_model_check(
             measured = torch.tensor(
                 [float("inf"), float("inf")] if error else [difference, spread], device=device, dtype=torch.float32
             )
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                if torch.distributed.get_world_size() > 1:
-                    torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX)
+            if distributed() and torch.distributed.get_world_size() > 1:
+                torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX)
     finally:
         for module in model.modules():
             module.training = module in training

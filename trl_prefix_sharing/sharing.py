@@ -27,9 +27,14 @@ from transformers.utils import logging
 from .architectures import check_supported_model, window_layout
 from .attention import AttentionSwitch, build_attention_mask, choose_attn_implementation, shared_row_multiple
 from .collator import PrefixSharingCollator
-from .forward import install_prefix_sharing_forward, remove_prefix_sharing_forward, unwrap_model
-from .layout import build_shared_batch, prompt_lengths_from_completion_mask, shared_group_layout
-from .model_check import check_rows, run_model_check
+from .forward import (
+    _is_sequence_classifier,
+    install_prefix_sharing_forward,
+    remove_prefix_sharing_forward,
+    unwrap_model,
+)
+from .layout import build_shared_batch, shared_group_layout
+from .model_check import check_rows, distributed, run_model_check
 from .vision import check_supported_vision_model, has_vision_inputs, is_vision_config, shared_vision_inputs
 
 
@@ -207,13 +212,10 @@ class PrefixSharing:
         if layout is None:
             raise RuntimeError("Prefix sharing is on but the batch has no layout: was the data collator replaced?")
         if self.pending_check:
-            completion_mask = inputs.get("completion_mask")
             self.check_model(
                 inputs["input_ids"],
                 inputs["attention_mask"],
-                prompt_lengths=None
-                if completion_mask is None
-                else prompt_lengths_from_completion_mask(inputs["attention_mask"], completion_mask),
+                prompt_lengths=PrefixSharingCollator.prompt_lengths(inputs),
                 examples=PrefixSharingCollator.example_ids(inputs),
             )
         if "attention_mask" not in layout:
@@ -308,7 +310,7 @@ class PrefixSharing:
             return self.layout(ids, mask, prompt_lengths=lengths, examples=example_ids)
 
         for model, reason in pending:
-            kind = "classifier" if type(model).__name__.endswith("ForSequenceClassification") else "fused"
+            kind = "classifier" if _is_sequence_classifier(model) else "fused"
             self._checking = True
             try:
                 result = run_model_check(
@@ -337,8 +339,7 @@ class PrefixSharing:
                     "not give its own numbers under the shared layout's attention mask and position ids. Train it "
                     "with `prefix_sharing=False`."
                 )
-            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-            if not distributed or torch.distributed.get_rank() == 0:
+            if not distributed() or torch.distributed.get_rank() == 0:
                 logger.warning(f"Prefix sharing: start-up check of {name}, {reason}: equal ({result.summary()}).")
 
 
