@@ -414,35 +414,15 @@ def write_outputs(results, args, command):
     if args.record:
         record_in_package(rows, results, args, command)
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
         print("matplotlib not installed (pip install -e .[bench]): no plot written.")
         return
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    ratios = [10 ** (x / 50) for x in range(-50, 76)]
-    ax.plot(ratios, [2 * (r + 1) / (r + 2) for r in ratios], "k--", label="ideal 2(p+c)/(p+2c)")
-    markers = {"sharing": "o", "sharing+packing": "s", "packing": "^"}
-    for kind in args.kinds:
-        for variant, marker in markers.items():
-            xs, ys = [], []
-            for profile, by_variant in results[kind].items():
-                p, c = PROFILES[profile]
-                xs.append(p / c)
-                ys.append(by_variant[variant]["pairs_per_s"] / by_variant["stock"]["pairs_per_s"])
-            ax.scatter(xs, ys, marker=marker, label=f"{kind} {variant}")
-    for profile, (p, c) in PROFILES.items():
-        ax.annotate(profile, (p / c, 1.0), fontsize=7, rotation=90, va="bottom", alpha=0.6)
-    ax.set_xscale("log")
-    ax.axhline(1.0, color="grey", lw=0.5)
-    ax.set_xlabel("median prompt / completion length")
-    ax.set_ylabel("speedup over stock TRL (pairs/s)")
-    ax.set_title(f"{args.mode.upper()}: {device}", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(args.out, f"{args.mode}_speedup.png"), dpi=120)
+    from plot_benchmarks import plot_speedup
+
+    # the same drawing as `python scripts/plot_benchmarks.py <out>/<mode>.json` makes from the recorded JSON
+    data = {"device": device, "model": args.model_desc, "results": results}
+    plot_speedup(data, os.path.join(args.out, f"{args.mode}_speedup.png"), PROFILES)
 
 
 def quiet_setup(gpu: bool):
