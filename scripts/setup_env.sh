@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install this package with its test extras. CPU torch by default:
-# `pip install torch==2.13.0` takes the CPU build where a local wheel is provided; set TORCH_SPEC to choose another.
+# Create .venv (if missing) and install torch and this package. EXTRAS: the package's extras (default `test`: pytest,
+# ruff, PEFT, bitsandbytes, DeepSpeed; the demo sets none). TORCH_SPEC: the torch to install (default torch==2.13.0;
+# add a CUDA index with PIP_EXTRA_INDEX_URL for a CUDA build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -14,8 +15,15 @@ pip_install() {  # quiet, without the local-index notices; a failed install stop
     echo "setup_env.sh: pip install $* failed" >&2
     return 1
   fi
-  printf '%s\n' "$log" | grep -v "^WARNING: Location" || true
+  if [ -n "$log" ]; then printf '%s\n' "$log" | grep -v "^WARNING: Location" || true; fi
 }
+EXTRAS="${EXTRAS-test}"
+echo "setup_env.sh: .venv: installing ${TORCH_SPEC:-torch==2.13.0} (the first time: a few minutes)"
 pip_install "${TORCH_SPEC:-torch==2.13.0}"
-pip_install -e ".[test]"
-.venv/bin/python -c "import torch, trl, transformers, peft, bitsandbytes; print(f'torch {torch.__version__}, trl {trl.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, bitsandbytes {bitsandbytes.__version__}')" 2>&1 | grep -v "kernels-community"
+echo "setup_env.sh: .venv: installing trl-prefix-sharing${EXTRAS:+[$EXTRAS]} and its dependencies (trl, transformers, ...)"
+pip_install -e ".${EXTRAS:+[$EXTRAS]}"
+.venv/bin/python -c "
+import importlib.metadata as m
+names = ['torch', 'trl', 'transformers', 'peft', 'bitsandbytes', 'deepspeed']
+print('setup_env.sh: ready:', ', '.join(f'{n} {m.version(n)}' for n in names if any(True for _ in m.distributions(name=n))))
+"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (.venv) and run the test suite (CPU, a few minutes on 2 cores).
+# Set up (.venv) and run the test suite (CPU; see the README for how long it takes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh

@@ -3,8 +3,11 @@ and `RLOOConfig` plus the prefix-sharing fields."""
 
 from __future__ import annotations
 
+import sys
+import warnings
 from dataclasses import dataclass, field
 
+import transformers
 import trl
 
 from .attention import ATTN_IMPLEMENTATIONS
@@ -102,6 +105,17 @@ class PrefixSharingArguments:
         },
     )
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if issubclass(cls, transformers.TrainingArguments):
+            # TRL's config comes first in every config's bases, so a method defined on this mixin would be shadowed
+            cls.get_process_log_level = _get_process_log_level_for_our_trainers
+
+    @property
+    def _asks_for_layout(self) -> bool:
+        """Whether this config asks for something only this package's trainers do."""
+        return bool(self.prefix_sharing or getattr(self, "packing", False) or getattr(self, "group_by_prompt", False))
+
     def _check_prefix_sharing_arguments(self) -> None:
         if self.prefix_sharing_model_check not in MODEL_CHECK_MODES:
             raise ValueError(
@@ -113,6 +127,50 @@ class PrefixSharingArguments:
                 f"`prefix_sharing_attn_implementation` must be one of {ATTN_IMPLEMENTATIONS}, got "
                 f"{self.prefix_sharing_attn_implementation!r}."
             )
+
+
+def _get_process_log_level_for_our_trainers(self) -> int:
+    """`TrainingArguments.get_process_log_level`, which `transformers.Trainer.__init__` calls first thing with its
+    `args`: the one point where a config learns which trainer it was handed to. A stock trainer (TRL's own class) given
+    this package's config with `prefix_sharing` or `packing` on would silently train without them: an error instead."""
+    trainer = sys._getframe(1).f_locals.get("self")
+    if (
+        isinstance(trainer, transformers.Trainer)
+        and not getattr(trainer, "_reads_prefix_sharing_config", False)
+        and self._asks_for_layout
+    ):
+        ours = type(self).__name__.removesuffix("Config") + "Trainer"
+        raise TypeError(
+            f"{type(trainer).__module__}.{type(trainer).__name__} was given trl_prefix_sharing.{type(self).__name__} "
+            "with prefix_sharing (or packing) on, but it is not this package's trainer and would ignore them, "
+            f"training exactly as stock TRL. Use `from trl_prefix_sharing import {ours}` (or set prefix_sharing=False "
+            "and packing=False)."
+        )
+    return transformers.TrainingArguments.get_process_log_level(self)
+
+
+def warn_if_not_our_config(args, config_class: type, trainer_name: str) -> None:
+    """This package's trainer given TRL's own config (or none: TRL then builds its own) trains exactly as stock TRL:
+    say so, since the user imported this trainer to share prefixes."""
+    if isinstance(args, PrefixSharingArguments):
+        return
+    given = "no `args`" if args is None else f"{type(args).__module__}.{type(args).__name__}"
+    warnings.warn(
+        f"trl_prefix_sharing.{trainer_name} was given {given}, which has no `prefix_sharing` field: it trains exactly "
+        f"as stock TRL, sharing nothing. For prefix sharing pass "
+        f"`trl_prefix_sharing.{config_class.__name__}(..., prefix_sharing=True)`.",
+        UserWarning,
+        stacklevel=stacklevel_outside_package(),
+    )
+
+
+def stacklevel_outside_package() -> int:
+    """The `stacklevel` that makes a warning issued by the caller point at the first frame outside this package (the
+    user's line that built the trainer)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("trl_prefix_sharing."):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 @dataclass

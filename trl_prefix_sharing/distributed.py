@@ -1,4 +1,5 @@
-"""Gathers that tolerate ranks holding different numbers of pairs (packing).
+"""Gathers that tolerate ranks holding different numbers of pairs (packing); a warning when `accelerate launch` was
+asked for several processes and started one.
 
 TRL's DPO metrics gather per-pair tensors with `accelerator.gather`, which needs the same shape on every rank; with
 packing, ranks hold different numbers of pairs, and a plain gather fails with a collective size mismatch (or hangs).
@@ -9,11 +10,14 @@ drop the padding, for the duration of one loss computation.
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import warnings
 
 import torch
 
 
-__all__ = ["variable_size_gathers", "gather_variable"]
+__all__ = ["variable_size_gathers", "gather_variable", "warn_if_fewer_processes_than_asked", "processes_asked"]
 
 
 def gather_variable(gather, data):
@@ -45,3 +49,39 @@ def variable_size_gathers(accelerator):
         yield
     finally:
         del accelerator.gather, accelerator.gather_for_metrics  # back to the class methods
+
+
+def processes_asked(command_line: list[str]) -> int | None:
+    """The `--num_processes` (or `--num-processes`) of a launcher's command line, if any."""
+    for i, arg in enumerate(command_line):
+        match = re.fullmatch(r"--num[_-]processes(?:=(\d+))?", arg)
+        if match:
+            value = match.group(1) or (command_line[i + 1] if i + 1 < len(command_line) else "")
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def warn_if_fewer_processes_than_asked() -> None:
+    """`accelerate launch --num_processes 2 --cpu script.py` (or without `--multi_gpu` on a machine without GPUs)
+    starts ONE process: accelerate's simple launcher ignores `--num_processes`. It leaves `ACCELERATE_USE_CPU` in the
+    environment and no `WORLD_SIZE`; the launcher's own command line (the parent process, read from /proc on Linux)
+    says how many were asked for. Elsewhere nothing can be read, and nothing is said."""
+    if "ACCELERATE_USE_CPU" not in os.environ or "WORLD_SIZE" in os.environ:
+        return
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            command_line = [arg.decode(errors="replace") for arg in f.read().split(b"\0") if arg]
+    except OSError:
+        return
+    asked = processes_asked(command_line)
+    if asked is not None and asked > 1:
+        from .config import stacklevel_outside_package
+
+        warnings.warn(
+            f"The launcher was asked for --num_processes {asked} but started one process: accelerate runs several "
+            "only with a distributed launcher. On CPUs: `accelerate launch --multi_gpu --num_processes "
+            f"{asked} script.py` (without `--cpu`) with `use_cpu=True` in the config; the command line takes "
+            f"`--multi_gpu --num_processes {asked} --use_cpu true`.",
+            UserWarning,
+            stacklevel=stacklevel_outside_package(),
+        )

@@ -24,9 +24,11 @@ from collections.abc import Mapping
 import torch
 from transformers.utils import logging
 
-from .architectures import check_supported_model, window_layout
+from .architectures import VISION, check_supported_model, refusal, refused_reason, window_layout
 from .attention import AttentionSwitch, build_attention_mask, choose_attn_implementation, shared_row_multiple
 from .collator import PrefixSharingCollator
+from .config import warn_if_not_our_config
+from .distributed import warn_if_fewer_processes_than_asked
 from .forward import (
     _is_sequence_classifier,
     install_prefix_sharing_forward,
@@ -77,17 +79,33 @@ def check_model_and_processor(
         config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     else:
         config = model.config
-    check_architecture(config, trainer_name, supports_vision)
+    reason = check_architecture(config, trainer_name, supports_vision)
+    if reason is not None:
+        logger.info(
+            f"Prefix sharing: {reason}, so the start-up check will judge the model at its first batch (a few examples "
+            "as stock rows and as prefix-shared rows) and stop with an error if they differ. Train it with "
+            "`prefix_sharing=False` to turn prefix sharing off."
+        )
+    elif getattr(config, "auto_map", None) and not is_vision_config(config):
+        logger.info(
+            f"Prefix sharing: this model runs custom code (`auto_map`) but declares the measured model type "
+            f"'{config.model_type}', so it is trusted as that type. Set `prefix_sharing_model_check=\"always\"` to "
+            "have the start-up check judge it at its first batch."
+        )
 
 
 def check_architecture(config, trainer_name: str, supports_vision: bool) -> str | None:
     """The architecture check: vision-language models (`vision.py`) or text models (`architectures.py`). Raises for a
     refused one; returns why the start-up check must judge the model itself (None: the registry measured it equal)."""
     if is_vision_config(config):
+        reason = refused_reason(config)  # one no layout of images can change comes first (recurrent layers, ...)
+        if reason is not None and reason != VISION:
+            raise ValueError(refusal(config.model_type, reason))
         if not supports_vision:
             raise ValueError(
-                f"{trainer_name} with prefix sharing does not support vision-language models "
-                f"('{config.model_type}'). Train it with `prefix_sharing=False`."
+                f"{trainer_name} with prefix sharing does not lay out images, so it does not support the "
+                f"vision-language model '{config.model_type}' (DPOTrainer does, for Qwen2-VL, Qwen2.5-VL and "
+                "Qwen3-VL). Train it with `prefix_sharing=False`."
             )
         check_supported_vision_model(config)
         return None
@@ -382,6 +400,8 @@ class PrefixSharingMixin:
 
     #: the config class with the prefix-sharing fields (set by each trainer)
     _config_class: type
+    #: read by the configs: a trainer without it (a stock TRL class) given `prefix_sharing=True` is an error
+    _reads_prefix_sharing_config = True
     #: whether the trainer lays out images for prefix sharing (DPO: yes; reward, GRPO, RLOO, online DPO: no)
     _supports_vision = False
     #: whether the models get TRL's fused log-prob head from this package (trainers that score full logits in stock)
@@ -391,6 +411,8 @@ class PrefixSharingMixin:
         """Before TRL's `__init__`: read the options and check what can be checked (the config class, the model and
         the processor)."""
         self.sharing = None
+        warn_if_not_our_config(args, self._config_class, type(self).__name__)
+        warn_if_fewer_processes_than_asked()
         self._prefix_sharing = bool(getattr(args, "prefix_sharing", False))
         self._init_packing(args)
         if self._uses_layout:

@@ -40,23 +40,44 @@ TRAINING_COMMANDS = ("dpo", "reward", "grpo", "rloo", "online_dpo", "kto", "orpo
 
 
 def launch(command: str, argv: list[str]) -> int:
-    """Parse like TRL's `TrainingCommand`: split accelerate's arguments from the script's, then `accelerate launch`."""
+    """Parse like TRL's `TrainingCommand`: split accelerate's arguments from the script's, then `accelerate launch`.
+
+    This process only parses and launches: it neither quantizes nor runs DeepSpeed, so their start-up lines are
+    dropped here, and TRL's notice about its experimental modules (ORPO, CPO, online DPO) is left to the launched
+    script, which prints it (and any deprecation notice of the arguments) once. When the script fails it has printed its error; its exit status is returned without
+    the launcher's own traceback on top."""
+    import subprocess
+    import warnings
     from importlib import resources
 
+    from .quiet import quiet_unused_backends
+
+    quiet_unused_backends()
     from accelerate.commands.launch import launch_command, launch_command_parser
     from trl.cli.accelerate_config import resolve_accelerate_config_argument
     from trl.cli.commands.training import _subtract_subsequence
+    from trl.import_utils import TRLExperimentalWarning
 
-    from .train import make_parser
+    from .train import SETUP_ERRORS, make_parser
 
-    parser = make_parser(command, prog=f"trl-prefix-sharing {command}")
-    *_, config_remaining, cli_remaining = parser.parse_args_and_config(
-        argv, return_remaining_strings=True, separate_remaining_strings=True
-    )
-    launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TRLExperimentalWarning)
+        warnings.simplefilter("ignore", FutureWarning)  # the script parses the same arguments and warns once
+        try:
+            parser = make_parser(command, prog=f"trl-prefix-sharing {command}")
+            *_, config_remaining, cli_remaining = parser.parse_args_and_config(
+                argv, return_remaining_strings=True, separate_remaining_strings=True
+            )
+            launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
+        except SETUP_ERRORS as error:  # an unreadable YAML recipe, a bad value: the message, not a traceback
+            print(f"trl-prefix-sharing {command}: error: {error}", file=sys.stderr)
+            return 2
     script_args = _subtract_subsequence(argv, cli_remaining)
     script = resources.files("trl_prefix_sharing.cli").joinpath(f"{command}.py")
-    launch_command(launch_command_parser().parse_args(launch_args + [str(script)] + script_args))
+    try:
+        launch_command(launch_command_parser().parse_args(launch_args + [str(script)] + script_args))
+    except subprocess.CalledProcessError as failed:  # the script printed why
+        return failed.returncode
     return 0
 
 

@@ -113,9 +113,14 @@ def check_model_path(model_name_or_path: str | None) -> None:
         raise FileNotFoundError(f"Model {model_name_or_path!r} not found: no such directory.")
 
 
-def main(command: str, script_args, training_args, model_args, dataset_args) -> None:
-    import transformers
-    from packaging.version import Version
+#: errors raised while setting up (arguments, paths, dataset, model, trainer): printed as one line, not a traceback
+SETUP_ERRORS = (ValueError, TypeError, OSError, ImportError, NotImplementedError)
+#: set to see the traceback of a set-up error
+TRACEBACK_VARIABLE = "TRL_PREFIX_SHARING_TRACEBACK"
+
+
+def build_trainer(command: str, script_args, training_args, model_args, dataset_args):
+    """Load the dataset and build the trainer (the model is loaded by the trainer), as TRL's scripts do."""
     from trl import get_peft_config, get_quantization_config
 
     import trl_prefix_sharing
@@ -172,6 +177,14 @@ def main(command: str, script_args, training_args, model_args, dataset_args) -> 
         trainer.model._ddp_params_and_buffers_to_ignore = [
             name for name, buffer in trainer.model.named_buffers() if buffer.dtype == torch.bool
         ]
+    return trainer
+
+
+def train(trainer, script_args, training_args) -> None:
+    """Train, save and release, as TRL's scripts do."""
+    import transformers
+    from packaging.version import Version
+
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.accelerator.print("Training completed.")
     trainer.save_model(training_args.output_dir)
@@ -198,7 +211,20 @@ def release_distributed_wrappers(trainer) -> None:
 
 
 def run_script(command: str) -> None:
-    """Entry point of the launched scripts (`cli/<command>.py`)."""
-    parser = make_parser(command)
-    script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(fail_with_unknown_args=False)
-    main(command, script_args, training_args, model_args, dataset_args)
+    """Entry point of the launched scripts (`cli/<command>.py`). A set-up error (a bad argument, path, dataset, model
+    or option) ends the process with one line naming it and status 2, no traceback (`TRL_PREFIX_SHARING_TRACEBACK=1`
+    shows it); errors while training keep theirs."""
+    import sys
+
+    try:
+        parser = make_parser(command)
+        script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(
+            fail_with_unknown_args=False
+        )
+        trainer = build_trainer(command, script_args, training_args, model_args, dataset_args)
+    except SETUP_ERRORS as error:
+        if os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0"):
+            raise
+        print(f"trl-prefix-sharing {command}: error: {error}", file=sys.stderr)
+        sys.exit(2)
+    train(trainer, script_args, training_args)

@@ -6,7 +6,8 @@ benchmarks and demo, and usable in yours::
 
     tokenizer = make_tokenizer()
     model = make_model("qwen2", len(tokenizer))
-    dataset = synthetic_pairs(64, prompt_len=(20, 40), completion_len=(4, 8))
+    dataset = synthetic_pairs(64, prompt_len=(20, 40), completion_len=(4, 8))  # prompt, chosen, rejected
+    prompts = synthetic_prompts(64)  # prompt only (GRPO, RLOO, online DPO)
 
 `trl_prefix_sharing.testing.vision` has the vision-language counterparts (a Qwen-style processor and tiny Qwen-VL
 models; needs Pillow). Not imported by `import trl_prefix_sharing`.
@@ -28,6 +29,7 @@ __all__ = [
     "make_model",
     "load_demo_dataset",
     "synthetic_pairs",
+    "synthetic_prompts",
 ]
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -543,12 +545,13 @@ def _words(rng: random.Random, n: int) -> str:
 
 def synthetic_pairs(
     n: int,
-    prompt_len: int | tuple[int, int],
-    completion_len: int | tuple[int, int],
+    prompt_len: int | tuple[int, int] = (20, 40),
+    completion_len: int | tuple[int, int] = (4, 8),
     seed: int = 0,
     conversational: bool = False,
 ):
-    """`n` random preference examples with prompt/completion lengths (in words) drawn uniformly from the ranges."""
+    """`n` random preference examples (`prompt`, `chosen`, `rejected`: TRL's preference format) with prompt and
+    completion lengths (in words of `make_tokenizer`'s vocabulary) drawn uniformly from the ranges."""
     from datasets import Dataset
 
     rng = random.Random(seed)
@@ -573,4 +576,19 @@ def synthetic_pairs(
             )
         else:
             rows.append({"prompt": prompt, "chosen": " " + chosen, "rejected": " " + rejected})
+    return Dataset.from_list(rows)
+
+
+def synthetic_prompts(
+    n: int, prompt_len: int | tuple[int, int] = (20, 40), seed: int = 0, conversational: bool = False
+):
+    """`n` random prompts (a `prompt` column: TRL's prompt-only format, for GRPO, RLOO and online DPO) with lengths (in
+    words) drawn uniformly from the range."""
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        prompt = _words(rng, prompt_len if isinstance(prompt_len, int) else rng.randint(*prompt_len))
+        rows.append({"prompt": [{"role": "user", "content": prompt}] if conversational else prompt})
     return Dataset.from_list(rows)
