@@ -8,8 +8,8 @@ docs/benchmarks/gpu_tests.md.
 - the matrix: the four families x {sharing, sharing + packing} x {DPO, reward, ranked reward}, fp32 (TF32 off), equal
   to stock at the CPU tests' tolerance (1e-5), gradient checkpointing on (TRL's default, switched on as `train()`
   does);
-- bf16 within README "Precision"'s tolerance; every trainer's policy and reference passes under `bf16=True` in
-  stock's dtype; sliding-window models; LoRA; GRPO and online DPO passes;
+- bf16 within the tolerance of the user guide's "Precision" (docs/guide.md); every trainer's policy and reference
+  passes under `bf16=True` in stock's dtype; sliding-window models; LoRA; GRPO and online DPO passes;
 - compile stability over 39 training and evaluation steps of varying lengths; peak memory of a long-row step.
 
 The tiny models get a head size of 16 (`CUDA_SIZES`): CUDA FlexAttention refuses head sizes under 16 ("NYI: embedding

@@ -159,7 +159,7 @@ def test_grpo_training_matches_stock(tmp_path, tokenizer, model_dirs, family):
     "setting",
     [
         # a quantile whose threshold is not one of the exact ties stock has at the first completion token of a
-        # prompt's generations (the README's "fp32" note: the shared rows compute those once per branch)
+        # prompt's generations (the "fp32" note of docs/guide.md: the shared rows compute those once per branch)
         {"loss_type": "grpo", "top_entropy_quantile": 0.3},
         {"beta": 0.1},
         {"num_iterations": 2, "beta": 0.1, "loss_type": "bnpo"},

@@ -2,7 +2,6 @@
 internal a trainer here overrides is named in `trl_internals.py` and matches the installed versions."""
 
 import inspect
-import os
 import re
 import subprocess
 import sys
@@ -121,23 +120,3 @@ def test_no_trl_method_body_is_copied():
 
     source = inspect.getsource(group_sharing)
     assert "split_tensor_dict" not in source and "_generate_and_score_completions" not in source
-
-
-def test_the_readme_example_with_the_test_builders_runs_as_written(tmp_path):
-    readme = (ROOT / "README.md").read_text()
-    blocks = [
-        block
-        for block in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
-        if "trl_prefix_sharing.testing" in block
-    ]
-    assert len(blocks) == 1
-    proc = subprocess.run(
-        [sys.executable, "-c", blocks[0]],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "'num_shared_tokens'" in proc.stdout + proc.stderr  # it trained, with prefix sharing

@@ -20,10 +20,14 @@ _SHARING_DOC = """
     prefix_sharing (`bool`, *optional*, defaults to `False`):
         Put the completions of each prompt after one copy of it (`[prompt | chosen | rejected]`, or a group's
         generations `[prompt | completion 1 | ... | completion G]`), so the prompt is computed once; a mask keeps the
-        completions from seeing each other and position ids make every number the one stock TRL computes. More
-        generally, every prefix that rows of a micro-batch share is computed once (a prefix trie): a prompt's several
-        pairs, its later turns and duplicate prompts, when the sampler puts them in one micro-batch. Text and
-        conversational datasets; see the README for the supported model families.
+        completions from seeing each other and position ids make every number the one stock TRL computes on the same
+        micro-batch. GRPO and RLOO keep each prompt's generations in one micro-batch (stock TRL shuffles them row by
+        row): with one micro-batch per generation batch (the default) every number is stock's; with several, the
+        `dapo`, `grpo` and `dr_grpo` losses and the gradients are, while `bnpo` and the logged per-micro-batch means
+        (entropy, kl, clip ratios) average over other micro-batches. More generally, every prefix that rows of a
+        micro-batch share is computed once (a prefix trie): a prompt's several pairs, its later turns and duplicate
+        prompts, when the sampler puts them in one micro-batch. Text and conversational datasets; see
+        docs/architectures.md for the supported model families.
     prefix_sharing_checks (`bool` or `None`, *optional*, defaults to `None`):
         Verify each shared batch against the stock rows in the forward (its tokens, padding and labels). Each check
         reads a comparison back from the device, so on an accelerator it waits for the device (a host sync per
@@ -58,7 +62,9 @@ _PACKING_DOC = """
         example is one document of the row (no token sees another example). Works with and without
         `prefix_sharing` (without it, the sequences of an example are separate documents). A packed step holds a
         variable number of pairs; the loss is normalised so that every pair weighs the same across packing,
-        gradient accumulation and ranks.
+        gradient accumulation and ranks, as in stock TRL. What differs by design: which pairs share a micro-batch, so
+        batch-level loss types (`aot`, `aot_unpaired`, the token mean of `sft`) and batch extremes (`min_reward`,
+        `max_reward`) see other batches than stock's.
     packing_length (`int` or `None`, *optional*, defaults to `None`):
         Tokens per packed row. `None`: `per_device_train_batch_size` times the longest packing unit of the dataset,
         rounded up to a multiple of 128 (a streamed dataset, whose lengths cannot be read ahead: times the bound on a
@@ -76,8 +82,10 @@ class PrefixSharingArguments:
         default=False,
         metadata={
             "help": "Compute each prompt once: put a prompt and its completions ([prompt | chosen | rejected], or a "
-            "group's generations) in one sequence with a mask that keeps the completions apart. Every logged number "
-            "equals stock TRL's."
+            "group's generations) in one sequence with a mask that keeps the completions apart. Log-probs, losses, "
+            "gradients and every logged number equal stock TRL's on the same micro-batches. GRPO/RLOO keep a prompt's "
+            "generations in one micro-batch: with several micro-batches per generation batch, per-micro-batch means "
+            "(bnpo, logged entropy/kl/clip ratios) average over other micro-batches than stock's."
         },
     )
     prefix_sharing_attn_implementation: str = field(
@@ -180,8 +188,9 @@ class PackingArguments(PrefixSharingArguments):
     packing: bool = field(
         default=False,
         metadata={
-            "help": "Pack several examples per row with a multipack first-fit-decreasing sampler (no padding); every "
-            "pair keeps the same weight in the loss."
+            "help": "Pack several examples per row with a multipack first-fit-decreasing sampler (no padding). Every "
+            "pair keeps its stock weight in the loss, but micro-batches hold other pairs than stock's: batch-level "
+            "loss types (aot, aot_unpaired, sft's token mean) and batch extremes (min/max_reward) see other batches."
         },
     )
     packing_length: int | None = field(
