@@ -155,3 +155,75 @@ def test_accelerate_launch_that_starts_fewer_processes_warns(tmp_path, launch, p
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count(f"WORLD {processes}") == processes
     assert ("started one process" in proc.stderr) is warned, proc.stderr[-3000:]
+
+
+def _cli(args, cwd):
+    script = Path(sys.executable).parent / "trl-prefix-sharing"
+    command = ([str(script)] if script.exists() else [sys.executable, "-m", "trl_prefix_sharing"]) + args
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "TQDM_DISABLE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory, tokenizer):
+    import json
+
+    from trl_prefix_sharing.testing import synthetic_pairs
+
+    root = tmp_path_factory.mktemp("usage")
+    make_model(FAMILY, len(tokenizer)).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    with open(root / "pairs.jsonl", "w") as f:
+        for row in synthetic_pairs(8, (5, 20), (1, 6)):
+            f.write(json.dumps(row) + "\n")
+    return root
+
+
+def test_the_shipped_recipe_runs_on_a_cpu_with_the_flag_its_first_line_names(tiny_files):
+    """Every key of the recipe as shipped (sharing, packing, bf16, gradient checkpointing, ...), with the one flag its
+    first line says a CPU needs; the Hub model and dataset replaced by local ones (no download here), the run cut to
+    one step."""
+    import torch
+
+    recipe = ROOT / "docs" / "recipes" / "dpo_prefix_sharing.yaml"
+    first_line = recipe.read_text().splitlines()[0]
+    assert "on a CPU, add: --use_cpu true" in first_line
+    local = ["--model_name_or_path", "model", "--dataset_name", "pairs.jsonl", "--output_dir", "recipe_out"]
+    short = ["--max_steps", "1", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1"]
+    command = ["dpo", "--config", str(recipe), *local, *short, "--report_to", "none"]
+    proc = _cli([*command, "--use_cpu", "true"], tiny_files)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Prefix sharing on 8 examples" in proc.stdout + proc.stderr
+    if not torch.cuda.is_available():  # without the flag: transformers' bf16 refusal, in one line
+        proc = _cli(command, tiny_files)
+        assert proc.returncode == 2
+        assert proc.stderr.strip().splitlines()[-1].startswith("trl-prefix-sharing dpo: error: ")
+        assert "use_cpu" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--dataset_name", "./missing.jsonl"], "Dataset './missing.jsonl' not found"),
+        (["--model_name_or_path", "./no-model"], "Model './no-model' not found"),
+        (["--packing_length", "-5"], "`packing_length` must be positive"),
+    ],
+    ids=["dataset", "model", "option"],
+)
+def test_command_line_set_up_errors_end_with_the_message(tiny_files, flags, message):
+    """A set-up error ends the output with one line of the package's (or TRL's) message, no traceback from the script
+    or from the launcher around it; exit status 2."""
+    base = {"--model_name_or_path": "model", "--dataset_name": "pairs.jsonl", "--output_dir": "err_out"}
+    base.update(dict(zip(flags[::2], flags[1::2], strict=True)))
+    args = [word for pair in base.items() for word in pair]
+    proc = _cli(["dpo", *args, "--prefix_sharing", "true", "--use_cpu", "true", "--bf16", "false"], tiny_files)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("trl-prefix-sharing dpo: error: ") and message in last, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "CalledProcessError" not in proc.stderr
