@@ -1,4 +1,4 @@
-"""Measure which architectures give stock TRL's numbers under prefix sharing; regenerate the registry and README table.
+"""Measure which architectures give stock TRL's numbers under prefix sharing; regenerate the registry and its table.
 
 For every model type (default: every causal LM transformers knows), each variant of its tiny config (default, and
 where the config has them: a sliding window of 6 positions, the router's auxiliary loss), one DPO step and, where
@@ -10,8 +10,9 @@ tests/equivalence.py's awkward data. Outcomes: ``equal``, ``differs`` (loss, log
     PYTHONPATH=$PWD python scripts/sweep_architectures.py gemma2 phi3 --write # re-measure some, keep the rest
 
 ``--write`` updates trl_prefix_sharing/data/architectures.json (what `check_supported_model` reads) and the generated
-section of README.md. ``--timeout S`` bounds each variant (default 600 s); a tiny config over 200M parameters or one no
-model can be built from is recorded as ``no tiny config`` (not measured), never run.
+section of docs/architectures.md; ``--docs-only`` measures nothing, re-applies the reasons of `REFUSED` to the
+registry and regenerates that section. ``--timeout S`` bounds each variant (default 600 s); a tiny config over 200M
+parameters or one no model can be built from is recorded as ``no tiny config`` (not measured), never run.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 REGISTRY = ROOT / "trl_prefix_sharing" / "data" / "architectures.json"
-README = ROOT / "README.md"
+DOCS = ROOT / "docs" / "architectures.md"
 BEGIN, END = "<!-- architectures: begin (scripts/sweep_architectures.py) -->", "<!-- architectures: end -->"
 TIMEOUT_S = 600  # per variant (default of `--timeout`): the largest tiny models take minutes on 2 cores
 MAX_PARAMETERS = 200_000_000  # a "tiny" config above this missed its family's sizes (and could exhaust the memory)
@@ -169,20 +170,21 @@ def summarise(family: str, results: dict, tokenizer) -> tuple[str, dict]:
 
 
 def _measured_reason(results: dict) -> str:
-    """The reason of a family refused by measurement alone: what its default variant did."""
+    """The reason of a family refused by measurement alone: what its default variant did, in one line (the error text
+    stays in the entry's ``measured``)."""
     default = results["default"]
     kind, outcome = next(
         (kind, o) for kind, o in (("DPO", default.get("dpo")), ("reward", default.get("reward"))) if o and o != "equal"
     )
     if outcome.startswith("differs"):
-        return f"measured: the prefix-shared {kind} step differs from stock ({outcome[len('differs: ') :]})"
+        return f"measured: the prefix-shared {kind} step differs from stock"
     if outcome.startswith("stock fails"):
-        return f"stock TRL itself fails on the measured tiny model ({outcome[len('stock fails: ') :]})"
+        return f"stock TRL itself fails on the measured tiny model (the {kind} step)"
     if "over" in outcome and outcome.endswith(" s"):
         return "not measured: the tiny model ran over the sweep's time limit"
     if outcome.startswith("no tiny config"):
-        return f"not measured: {outcome}"
-    return f"measured: prefix sharing raised in the {kind} step ({outcome[len('error: ') :]})"
+        return "not measured: no tiny config could be built"
+    return f"measured: prefix sharing raised in the {kind} step"
 
 
 def _causal_lm_class(config):
@@ -191,7 +193,9 @@ def _causal_lm_class(config):
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
-def readme_table(registry: dict) -> str:
+def docs_table(registry: dict) -> str:
+    """The generated section of docs/architectures.md: the supported model types with their measured options, then
+    the refused ones grouped by reason."""
     from trl_prefix_sharing.architectures import variant_configs
     from trl_prefix_sharing.testing import make_config
 
@@ -231,7 +235,9 @@ def readme_table(registry: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("families", nargs="*", help="model types (default: every causal LM transformers knows)")
-    parser.add_argument("--write", action="store_true", help="update the registry JSON and the README table")
+    parser.add_argument(
+        "--write", action="store_true", help="update the registry JSON and the table of docs/architectures.md"
+    )
     parser.add_argument(
         "--registry", type=pathlib.Path, default=REGISTRY, help="the registry JSON to update (default: the package's)"
     )
@@ -244,13 +250,13 @@ def main() -> None:
         help="measure the families `REFUSED` names too (default: record their reason only)",
     )
     parser.add_argument(
-        "--readme-only",
+        "--docs-only",
         action="store_true",
-        help="measure nothing: re-apply the reasons of `REFUSED` and regenerate the README table",
+        help="measure nothing: re-apply the reasons of `REFUSED` and regenerate the table of docs/architectures.md",
     )
     args = parser.parse_args()
-    if args.readme_only:
-        _write_readme(_write_registry(json.loads(args.registry.read_text()), args.registry))
+    if args.docs_only:
+        _write_docs(_write_registry(json.loads(args.registry.read_text()), args.registry))
         return
 
     import conftest  # noqa: F401  - the tests' environment (quiet, 2 threads)
@@ -294,7 +300,7 @@ def main() -> None:
             flush=True,
         )
     if args.write:
-        _write_readme(_write_registry(registry, args.registry))
+        _write_docs(_write_registry(registry, args.registry))
 
 
 def _write_registry(registry: dict, path: pathlib.Path = REGISTRY) -> dict:
@@ -307,11 +313,11 @@ def _write_registry(registry: dict, path: pathlib.Path = REGISTRY) -> dict:
     return registry
 
 
-def _write_readme(registry: dict) -> None:
-    text = README.read_text()
-    if BEGIN not in text:
-        raise SystemExit(f"README.md has no generated architectures section ({BEGIN} ... {END}).")
-    README.write_text(text[: text.index(BEGIN)] + readme_table(registry) + text[text.index(END) + len(END) :])
+def _write_docs(registry: dict) -> None:
+    text = DOCS.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{DOCS.relative_to(ROOT)} has no generated architectures section ({BEGIN} ... {END}).")
+    DOCS.write_text(text[: text.index(BEGIN)] + docs_table(registry) + text[text.index(END) + len(END) :])
 
 
 if __name__ == "__main__":

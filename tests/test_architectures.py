@@ -138,34 +138,92 @@ def test_router_aux_loss_needs_the_stock_positions(tmp_path, tokenizer, monkeypa
 
 @pytest.mark.parametrize("family", sorted(registry()["refused"]))
 def test_refused_family_names_its_reason(family):
-    """A family refused by a reason no batch can disprove, or by a measured difference, is refused with it; one the
-    sweep could not settle (nothing measured, or only its tiny config failed) goes to the start-up check."""
+    """A family refused by a reason no batch can disprove, or by a measured difference, is refused with it, in a short
+    error that ends with the way out; one the sweep could not settle (nothing measured, or only its tiny config failed)
+    goes to the start-up check."""
     reason = REFUSED.get(family) or registry()["refused"][family]["reason"]
     config = type("Config", (), {"model_type": family})()  # the check reads the model type (and layer types)
     if family not in REFUSED and reason.startswith(_CHECKABLE_OUTCOMES):
         assert f"did not settle '{family}' ({reason})" in check_supported_model(config)
         return
-    with pytest.raises(ValueError, match=f"refused for '{family}': ") as error:
+    with pytest.raises(ValueError, match=f"support '{family}': ") as error:
         check_supported_model(config)
-    assert reason in str(error.value)
+    message = str(error.value)
+    if family in REFUSED:
+        assert reason in message
+    else:  # measured: the outcome, without the assertion's text
+        assert f"measured on a tiny model of this type, {reason.removeprefix('measured: ')}." in message
+    assert message.endswith("Train it with `prefix_sharing=False`.")
+    assert len(message) < 400 and "scripts/" not in message and "not measured" not in message
+    assert "measured" in registry()["refused"][family]  # the registry keeps what the sweep measured
 
 
 @pytest.mark.parametrize(
     "overrides,match",
     [
-        ({"layer_types": ["full_attention", "linear_attention"]}, "not attention; recurrent"),
-        ({"attention_chunk_size": 4}, "chunked attention"),
-        ({"layer_types": ["full_attention", "chunked_attention"]}, r"\(chunked_attention layers\): local or chunked"),
-        ({"layer_types": ["indexed_attention", "full_attention"]}, r"\(indexed_attention layers\): sparse attention"),
-        ({"model_type": "not_a_model", "output_router_logits": True}, "not measured for the model type 'not_a_model'"),
+        (
+            {"layer_types": ["full_attention", "linear_attention"]},
+            "never support 'llama': its linear-attention layers",
+        ),
+        ({"layer_types": ["conv", "full_attention"]}, "its short-convolution layers mix each token"),
+        (
+            {"layer_types": ["full_attention", "hybrid"]},
+            r"its 'hybrid' layers are not attention, and may carry a state",
+        ),
+        ({"attention_chunk_size": 4}, "its chunked attention splits the row"),
+        ({"layer_types": ["full_attention", "chunked_attention"]}, "its chunked attention splits the row"),
+        ({"layer_types": ["indexed_attention", "full_attention"]}, "its sparse attention keeps the top-k keys"),
+        ({"is_encoder_decoder": True}, "never support 'llama': it is an encoder-decoder model"),
+        (
+            {"model_type": "not_a_model", "output_router_logits": True},
+            r"cannot judge 'not_a_model' with the router's auxiliary loss \(`output_router_logits=True`\)",
+        ),
     ],
 )
 def test_contract_refusals_without_a_registry_entry(overrides, match):
     config = make_config("llama", 32)
     for key, value in overrides.items():
         setattr(config, key, value)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as error:
         check_supported_model(config)
+    assert str(error.value).endswith("`prefix_sharing=False`.")
+
+
+def test_position_wise_layer_types_are_not_refused():
+    """`layer_types` entries that mix no tokens (MLP, MoE layers) are no reason to refuse a model."""
+    config = make_config("llama", 32)
+    config.layer_types = ["full_attention", "mlp", "moe"]
+    assert check_supported_model(config) is None
+
+
+def test_failed_router_variant_is_refused_with_its_outcome():
+    """A measured type whose router's auxiliary loss was not equal to stock (Beam: stock TRL itself fails with it)
+    refuses `output_router_logits=True` in words, without the error's text."""
+    assert "router_aux_loss" in registry()["supported"]["beam"]["failed_variants"]
+    with pytest.raises(
+        ValueError,
+        match=r"does not support 'beam' with the router's auxiliary loss \(`output_router_logits=True`\): measured on "
+        r"a tiny model of this type, stock TRL itself fails in the DPO step\. Set `output_router_logits=False`",
+    ):
+        check_supported_model(make_config("beam", 32, output_router_logits=True))
+
+
+def test_docs_table_is_the_registry():
+    """docs/architectures.md's generated section is what `scripts/sweep_architectures.py --docs-only` writes from the
+    registry, and the registry's reasons are those of `REFUSED` (regenerated after a reason changes)."""
+    import importlib.util
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("sweep_architectures", root / "scripts" / "sweep_architectures.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    for family, entry in registry()["refused"].items():
+        assert entry["reason"] == (REFUSED.get(family) or sweep._measured_reason(entry["measured"])), family
+    text = (root / "docs" / "architectures.md").read_text()
+    assert text.count(sweep.BEGIN) == 1 and text.count(sweep.END) == 1
+    generated = text[text.index(sweep.BEGIN) : text.index(sweep.END) + len(sweep.END)]
+    assert generated == sweep.docs_table(registry()), "run scripts/sweep_architectures.py --docs-only"
 
 
 def _sliding_layers(family):
@@ -208,8 +266,8 @@ def test_failed_window_variant_is_refused_with_its_outcome(monkeypatch):
     monkeypatch.setattr(architectures, "registry", lambda: patched)
     with pytest.raises(
         ValueError,
-        match=r"measured equal for 'mistral' without a sliding window only "
-        r"\(sliding_window: dpo differs: chosen logps 0.1\)",
+        match=r"does not support 'mistral' with a sliding window \(`sliding_window=6`\): measured on a tiny model of "
+        r"this type, the prefix-shared DPO step differs from stock\. Train it without the window",
     ):
         check_supported_model(config)
 
@@ -268,7 +326,7 @@ def test_unsupported_architecture_error_names_the_reason(tmp_path, tokenizer):
     from transformers import MambaConfig, MambaForCausalLM
 
     model = MambaForCausalLM(MambaConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1))
-    with pytest.raises(ValueError, match="'mamba'.*carry state across the shared row"):
+    with pytest.raises(ValueError, match=r"never support 'mamba': its Mamba \(state-space\) layers carry a state"):
         DPOTrainer(
             model=model,
             args=dpo_args(tmp_path, True),

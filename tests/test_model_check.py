@@ -56,9 +56,9 @@ def test_registry_sends_unmeasured_models_to_the_check():
     assert "measured without a sliding window only" in check_supported_model(
         make_config("smollm3", 32, sliding_window=6, layer_types=["sliding_attention", "full_attention"])
     )
-    with pytest.raises(ValueError, match="not a decoder-only causal LM"):
+    with pytest.raises(ValueError, match="never support 'bert': it is an encoder model"):
         check_supported_model(make_config("bert", 32))
-    with pytest.raises(ValueError, match="router's auxiliary loss"):
+    with pytest.raises(ValueError, match="cannot judge 'ps_plain_decoder' with the router's auxiliary loss"):
         check_supported_model(custom_config("ps_plain_decoder", 32, output_router_logits=True))
 
 

@@ -1,11 +1,15 @@
 """Sliding-window models, what a saved model keeps, and clear errors for what prefix sharing cannot do."""
 
 import json
+import logging
+import re
+from types import SimpleNamespace
 
 import pytest
 import torch
 from datasets import Dataset
 from equivalence import awkward_text_dataset, compare_step, dpo_args, make_trainers
+from transformers.testing_utils import CaptureLogger
 
 from trl_prefix_sharing import DPOConfig, DPOTrainer
 from trl_prefix_sharing.attention import AttentionSwitch, resolve_attn_implementation
@@ -117,6 +121,72 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path, tokenizer):
             train_dataset=awkward_text_dataset(),
             processing_class=tokenizer,
         )
+
+
+#: what each family's refusal must say (checked on configs built offline), and what it must not
+FAMILY_ERRORS = {
+    "t5": r"can never support 't5': it is an encoder-decoder model, and prefix sharing is for decoder-only causal LMs",
+    "bart": r"can never support 'bart': it is an encoder-decoder model",
+    "bert": r"can never support 'bert': it is an encoder model, .* \(an encoder attends both ways",
+    "mamba": r"can never support 'mamba': its Mamba \(state-space\) layers carry a state along the sequence",
+    "mamba2": r"can never support 'mamba2': its Mamba-2 \(state-space\) layers carry a state",
+    "rwkv": r"can never support 'rwkv': its RWKV \(recurrent\) layers carry a state",
+    "jamba": r"can never support 'jamba': its Mamba \(state-space\) layers carry a state",
+    "qwen3_next": r"can never support 'qwen3_next': its Gated DeltaNet \(linear attention\) layers carry a state",
+    "lfm2": r"can never support 'lfm2': its short-convolution layers mix each token with the few before it",
+    "bloom": r"can never support 'bloom': its ALiBi attention biases are computed from places in the row",
+    "llama4": r"can never support 'llama4': its chunked attention splits the row into chunks",
+    "llava": r"supports the vision-language model types qwen2_vl, qwen2_5_vl, qwen3_vl; this model is 'llava'",
+    "gpt_bigcode": r"does not support 'gpt_bigcode': measured on a tiny model of this type, the prefix-shared DPO "
+    r"step differs from stock\.",
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILY_ERRORS))
+def test_refusals_say_why_for_the_family(model_type):
+    """Each family is refused with its own reason, in two or three sentences that end with the way out, and without
+    lists of model types or the repository's scripts (a pip user has neither)."""
+    from transformers import AutoConfig
+
+    from trl_prefix_sharing.sharing import check_architecture
+
+    with pytest.raises(ValueError, match=FAMILY_ERRORS[model_type]) as error:
+        check_architecture(AutoConfig.for_model(model_type), "DPOTrainer", supports_vision=True)
+    message = str(error.value)
+    assert message.endswith("Train it with `prefix_sharing=False`.")
+    assert len(re.findall(r"[.!?](?: |$)", message)) <= 3, message
+    assert len(message) < 400 and "scripts/" not in message and "#" not in message and "not measured" not in message
+
+
+def test_unknown_decoder_goes_to_the_start_up_check():
+    """A decoder of a model type the registry does not know (custom code) is not refused: the start-up check judges it
+    at the first batch, which is said at construction, with the way out. Custom code that declares a measured type is
+    trusted as that type, and told how to have it checked."""
+    from custom_models import custom_config
+
+    from trl_prefix_sharing import sharing
+
+    model = SimpleNamespace(config=custom_config("ps_plain_decoder", 32))
+    assert sharing.check_architecture(model.config, "DPOTrainer", True) == (
+        "the model type 'ps_plain_decoder' is not in the measured registry"
+    )
+    remote_llama = SimpleNamespace(config=make_model("llama", 32).config)
+    remote_llama.config.auto_map = {"AutoModelForCausalLM": "modeling_custom_llama.CustomLlamaForCausalLM"}
+    level = sharing.logger.level
+    sharing.logger.setLevel(logging.INFO)
+    try:
+        with CaptureLogger(sharing.logger) as captured:
+            sharing.check_model_and_processor("DPOTrainer", model, None, None, False, True)
+        with CaptureLogger(sharing.logger) as remote:
+            sharing.check_model_and_processor("DPOTrainer", remote_llama, None, None, False, True)
+    finally:
+        sharing.logger.setLevel(level)
+    assert (
+        "'ps_plain_decoder' is not in the measured registry, so the start-up check will judge the model at its "
+        "first batch" in captured.out
+    )
+    assert "`prefix_sharing=False`" in captured.out
+    assert 'trusted as that type. Set `prefix_sharing_model_check="always"`' in remote.out
 
 
 def test_padding_free_is_a_clear_error(tmp_path):

@@ -32,136 +32,229 @@ __all__ = [
     "registry",
     "supported_model_types",
     "check_supported_model",
+    "refused_reason",
+    "refusal",
     "window_layout",
     "variant_configs",
 ]
 
 # ---------------------------------------------------------------------------------------------------- reasons
+#: how every refusal ends
+WAY_OUT = "Train it with `prefix_sharing=False`."
+
+
+def _carries_state(layers: str) -> str:
+    return (
+        f"its {layers} layers carry a state along the sequence, so in a shared row a completion would start from the "
+        "state the one before it left"
+    )
+
+
+#: the reasons a model type can never give stock's numbers under the shared layout, whatever its weights (each one
+#: line: the registry and docs/architectures.md show them; an error continues "Prefix sharing can never support
+#: '<type>': <reason>.")
+ENCODER_DECODER = (
+    "it is an encoder-decoder model, and prefix sharing is for decoder-only causal LMs, which read a prompt and its "
+    "completions as one causal sequence (here the prompt goes through the encoder)"
+)
+ENCODER = (
+    "it is an encoder model, and prefix sharing is for decoder-only causal LMs, which read a prompt and its "
+    "completions as one causal sequence (an encoder attends both ways: each completion would see the others)"
+)
+MAMBA = _carries_state("Mamba (state-space)")
+MAMBA2 = _carries_state("Mamba-2 (state-space)")
+RWKV = _carries_state("RWKV (recurrent)")
+XLSTM = _carries_state("xLSTM (recurrent)")
+RG_LRU = _carries_state("RG-LRU (recurrent)")
+GATED_DELTANET = _carries_state("Gated DeltaNet (linear attention)")
+KIMI_DELTA = _carries_state("Kimi Delta Attention (linear attention)")
+DELTA_ATTENTION = _carries_state("delta-rule linear attention")
+LIGHTNING = _carries_state("lightning attention (linear attention)")
+SHORT_CONVOLUTION = (
+    "its short-convolution layers mix each token with the few before it, so in a shared row a completion's first "
+    "tokens would mix in the end of the completion before it"
+)
+#: the layers of a model type named nowhere here whose `layer_types` entries are not attention (follows "its <kinds>
+#: layers are not attention, and ")
 RECURRENT = (
-    "recurrent or convolutional layers (Mamba/SSM, linear or delta-rule attention, short convolutions, RWKV/xLSTM) "
-    "carry state across the shared row: the second completion would read the state the first one left"
+    "may carry a state along the sequence (as Mamba/SSM, linear-attention, short-convolution and RWKV layers do), so "
+    "in a shared row a completion could start from the state the one before it left"
+)
+ALIBI = (
+    "its ALiBi attention biases are computed from places in the row, not from `position_ids`, so a completion placed "
+    "after another one would see other distances than in its own sequence"
 )
 ROW_POSITIONS = (
-    "position information is built from row indices or the 2-D padding mask (ALiBi, learned offsets), not from "
-    "`position_ids`, so a completion placed after another one gets other positions than in its own row"
+    "its position embeddings are computed from places in the row or the 2-D padding mask, not from `position_ids`, "
+    "so a completion placed after another one would get other positions than in its own sequence"
 )
-LOCAL_ROWS = (
-    "local or chunked attention is counted in row positions (chunks of the shared row), not in the original positions"
+CHUNKED = (
+    "its chunked attention splits the row into chunks counted from the row's start, not from `position_ids`, so a "
+    "completion placed after another one would fall into other chunks than in its own sequence"
 )
-NOT_CAUSAL = (
-    "not a decoder-only causal LM (encoder or encoder-decoder): tokens attend both ways, a completion sees the other"
+LOCAL = (
+    "its local attention works on windows or chunks of places in the row, so a completion placed after another one "
+    "would attend to other tokens than in its own sequence"
 )
-MASK_2D = "the forward assumes a 2-D padding mask and does not honour a given 4-D mask"
+COMPRESSED = (
+    "its compressed attention pools keys over blocks of places in the row, so a completion's blocks would mix in the "
+    "completion before it"
+)
 INDEXED = (
-    "sparse attention keeps the top-k keys an indexer scores over the whole row (DeepSeek sparse attention): in a "
-    "shared row the other completions' keys compete for the k places, and ties are broken by row position"
+    "its sparse attention keeps the top-k keys an indexer scores over the whole row, so in a shared row the other "
+    "completions' keys would compete for the k places"
 )
 ROW_GROUPS = (
-    "tokens are grouped along the row (byte patches by entropy, n-gram hash embeddings): a completion's groups "
-    "depend on what precedes it in the shared row"
+    "it groups tokens along the row (byte patches by entropy, n-gram hash embeddings), so a completion's groups would "
+    "depend on the completion before it"
 )
 DRAFTER = (
-    "a speculative-decoding drafter: its forward reads the keys and values of a target model, it is not trained alone"
+    "it is a speculative-decoding drafter: it reads the keys and values of a target model and is not trained alone"
 )
+MASK_2D = "its forward builds its attention mask from the 2-D padding mask and ignores the given 4-D mask"
+#: reasons that are not by design (an error continues "Prefix sharing does not support '<type>': <reason>.")
 VISION = (
-    "a vision-language model outside the families whose images prefix sharing lays out (Qwen2-VL, Qwen2.5-VL, "
-    "Qwen3-VL)"
+    "it is a vision-language model, and prefix sharing lays out the images of Qwen2-VL, Qwen2.5-VL and Qwen3-VL "
+    "only, the families measured equal to stock TRL"
 )
 UNUSED_WINDOW = (
-    "its config always sets a sliding window (3000) that its decoder does not apply, while the shared layout's mask "
-    "would apply it"
+    "its config sets a sliding window (3000) that its decoder does not apply, while the shared layout's mask would "
+    "apply it"
 )
+
+_ENCODER_DECODERS = [
+    "bart",
+    "bigbird_pegasus",
+    "blenderbot",
+    "blenderbot-small",
+    "marian",
+    "mbart",
+    "musicgen",
+    "musicgen_melody",
+    "mvp",
+    "pegasus",
+    "plbart",
+    "prophetnet",
+    "trocr",
+    "whisper",
+]
+_ENCODERS = [
+    "bert",
+    "bert-generation",
+    "big_bird",
+    "camembert",
+    "data2vec-text",
+    "electra",
+    "ernie",
+    "megatron-bert",
+    "rembert",
+    "roberta",
+    "roberta-prelayernorm",
+    "roc_bert",
+    "roformer",
+    "xlm",
+    "xlm-roberta",
+    "xlm-roberta-xl",
+    "xlnet",
+    "xmod",
+]
 
 #: model_type -> why prefix sharing cannot give stock's numbers, known from the model's code (the sweep measured these
 #: differing from or failing against stock; `scripts/sweep_architectures.py --measure-refused` measures them again).
-#: Families refused by measurement alone carry the measured outcome as their reason in the registry.
+#: Families refused by measurement alone carry the measured outcome as their reason in the registry. Any config with
+#: `is_encoder_decoder` is refused as `ENCODER_DECODER` too.
 REFUSED: dict[str, str] = {
+    **dict.fromkeys(_ENCODER_DECODERS, ENCODER_DECODER),
+    **dict.fromkeys(_ENCODERS, ENCODER),
+    **dict.fromkeys(["mamba", "falcon_mamba", "jamba", "zamba"], MAMBA),
+    **dict.fromkeys(["mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2"], MAMBA2),
+    "rwkv": RWKV,
+    "xlstm": XLSTM,
+    "recurrent_gemma": RG_LRU,
     **dict.fromkeys(
         [
-            "bailing_hybrid",
-            "inkling2_loop_text",
-            "inkling2_text",
-            "inkling_text",
             "lara_mini",
-            "qwen4_exp",
-            "qwen4_exp_text",
-            "bamba",
-            "falcon_h1",
-            "falcon_mamba",
-            "granitemoehybrid",
-            "jamba",
-            "kimi_linear",
-            "lfm2",
-            "lfm2_moe",
-            "mamba",
-            "mamba2",
-            "minimax",
-            "nemotron_h",
             "olmo_hybrid",
             "qwen3_5",
             "qwen3_5_moe",
             "qwen3_5_moe_text",
             "qwen3_5_text",
             "qwen3_next",
-            "recurrent_gemma",
-            "rwkv",
-            "xlstm",
-            "zamba",
-            "zamba2",
+            "qwen4_exp",
+            "qwen4_exp_text",
         ],
-        RECURRENT,
+        GATED_DELTANET,
     ),
-    **dict.fromkeys(["biogpt", "bloom", "cpmant", "mpt", "opt", "xglm"], ROW_POSITIONS),
-    **dict.fromkeys(["deepseek_v4", "gpt_neo", "llama4", "llama4_text", "reformer"], LOCAL_ROWS),
+    "kimi_linear": KIMI_DELTA,
+    "bailing_hybrid": DELTA_ATTENTION,
+    "minimax": LIGHTNING,
+    **dict.fromkeys(["lfm2", "lfm2_moe", "inkling_text", "inkling2_text", "inkling2_loop_text"], SHORT_CONVOLUTION),
+    **dict.fromkeys(["bloom", "mpt"], ALIBI),
+    **dict.fromkeys(["biogpt", "cpmant", "opt", "xglm"], ROW_POSITIONS),
+    **dict.fromkeys(["llama4", "llama4_text"], CHUNKED),
+    **dict.fromkeys(["gpt_neo", "reformer"], LOCAL),
+    "deepseek_v4": COMPRESSED,
     **dict.fromkeys(["axk2", "deepseek_v32", "dots3_note", "dots3_note_text", "glm_moe_dsa", "hy_v4"], INDEXED),
     **dict.fromkeys(["gemma3", "gemma3n", "git", "got_ocr2", "mllama", "phi4_multimodal"], VISION),
     **dict.fromkeys(["gemma4_assistant", "gemma4_unified_assistant"], DRAFTER),
     "blt": ROW_GROUPS,
     "openai-gpt": MASK_2D,
     "moshi": UNUSED_WINDOW,
-    **dict.fromkeys(
-        [
-            "bart",
-            "bert",
-            "bert-generation",
-            "big_bird",
-            "bigbird_pegasus",
-            "blenderbot",
-            "blenderbot-small",
-            "camembert",
-            "data2vec-text",
-            "electra",
-            "ernie",
-            "marian",
-            "mbart",
-            "megatron-bert",
-            "musicgen",
-            "musicgen_melody",
-            "mvp",
-            "pegasus",
-            "plbart",
-            "prophetnet",
-            "rembert",
-            "roberta",
-            "roberta-prelayernorm",
-            "roc_bert",
-            "roformer",
-            "trocr",
-            "whisper",
-            "xlm",
-            "xlnet",
-            "xlm-roberta",
-            "xlm-roberta-xl",
-            "xmod",
-        ],
-        NOT_CAUSAL,
-    ),
 }
 
-#: `layer_types` entries that are not attention: any of them makes a model recurrent in the sense of the contract
-_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
-#: `layer_types` entries refused for a reason of their own (the others that are not attention: `RECURRENT`)
-_REFUSED_LAYER_TYPES = {"chunked_attention": LOCAL_ROWS, "indexed_attention": INDEXED}
+#: `layer_types` entries that mix tokens by attention, or not at all (position-wise MLP / MoE layers)
+_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "attention", "mlp", "moe"}
+#: `layer_types` entries named for their reason (any other entry: `RECURRENT`)
+_REFUSED_LAYER_TYPES = {
+    "linear_attention": _carries_state("linear-attention"),
+    "mamba": MAMBA,
+    "mamba2": MAMBA2,
+    "recurrent": _carries_state("recurrent"),
+    "rwkv": RWKV,
+    "conv": SHORT_CONVOLUTION,
+    "chunked_attention": CHUNKED,
+    "compressed_sparse_attention": COMPRESSED,
+    "heavily_compressed_attention": COMPRESSED,
+    "indexed_attention": INDEXED,
+}
+
+
+#: the reasons of :data:`REFUSED` and `layer_types` that hold by design (the others: not measured equal, not laid out)
+_BY_DESIGN = {
+    ENCODER_DECODER,
+    ENCODER,
+    MAMBA,
+    MAMBA2,
+    RWKV,
+    XLSTM,
+    RG_LRU,
+    GATED_DELTANET,
+    KIMI_DELTA,
+    DELTA_ATTENTION,
+    LIGHTNING,
+    SHORT_CONVOLUTION,
+    ALIBI,
+    ROW_POSITIONS,
+    CHUNKED,
+    LOCAL,
+    COMPRESSED,
+    INDEXED,
+    ROW_GROUPS,
+    DRAFTER,
+    MASK_2D,
+    *_REFUSED_LAYER_TYPES.values(),
+}
+
+
+def refusal(model_type: str, reason: str) -> str:
+    """The error for a model type refused for `reason`: one of :data:`REFUSED`'s, or a measured outcome of the
+    registry (``"measured: ..."``). Two or three sentences: what, why, and the way out."""
+    if reason.startswith("measured: "):
+        outcome = reason.removeprefix("measured: ").split(" (")[0]  # a registry of older sweeps kept the error text
+        reason = f"measured on a tiny model of this type, {outcome}"
+    lead = "can never support" if reason in _BY_DESIGN else "does not support"
+    return f"Prefix sharing {lead} '{model_type}': {reason}. {WAY_OUT}"
+
 
 # ---------------------------------------------------------------------------------------------------- variants
 #: The options a family is measured with beyond its default tiny config, under the config names it uses. A variant
@@ -198,12 +291,37 @@ def supported_model_types() -> tuple[str, ...]:
 
 
 def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    """The config of the model's text decoder (the config itself for a text model, or one whose text part is
+    ambiguous, such as MusicGen's encoder and decoder)."""
+    try:
+        return config.get_text_config() if hasattr(config, "get_text_config") else config
+    except ValueError:
+        return config
 
 
 #: registry outcomes a start-up check on the user's own model can settle (nothing was measured, or only the tiny
 #: config failed); every other refused entry stays refused
 _CHECKABLE_OUTCOMES = ("not measured", "stock TRL itself fails", "measured: prefix sharing raised")
+
+
+def refused_reason(config) -> str | None:
+    """Why this model is refused whatever its weights, known without running it (its type in :data:`REFUSED`, an
+    encoder-decoder config, layers that are not attention, chunked attention), or None."""
+    text_config = _text_config(config)
+    model_type = getattr(text_config, "model_type", None)
+    reason = REFUSED.get(getattr(config, "model_type", None)) or REFUSED.get(model_type)
+    if reason is None and getattr(config, "is_encoder_decoder", False):
+        reason = ENCODER_DECODER
+    if reason is None:
+        layer_types = set(getattr(text_config, "layer_types", None) or ()) - _ATTENTION_LAYER_TYPES
+        unknown = sorted(layer_types - set(_REFUSED_LAYER_TYPES))
+        if unknown:
+            reason = f"its {', '.join(repr(kind) for kind in unknown)} layers are not attention, and {RECURRENT}"
+        else:
+            reason = next((r for kind, r in _REFUSED_LAYER_TYPES.items() if kind in layer_types), None)
+    if reason is None and getattr(text_config, "attention_chunk_size", None):
+        reason = CHUNKED
+    return reason
 
 
 def check_supported_model(config) -> str | None:
@@ -214,59 +332,65 @@ def check_supported_model(config) -> str | None:
     transformers) or measured only without this config's sliding window."""
     text_config = _text_config(config)
     model_type = getattr(text_config, "model_type", None)
-    layer_types = set(getattr(text_config, "layer_types", None) or ())
-    other_layers = layer_types - _ATTENTION_LAYER_TYPES
-    way_out = "Train it with `prefix_sharing=False`."
-    if other_layers - set(_REFUSED_LAYER_TYPES):
-        raise ValueError(
-            f"Prefix sharing is refused for '{model_type}': its layers {sorted(other_layers)} "
-            f"are not attention; {RECURRENT}. {way_out}"
-        )
-    for layer_type, reason in _REFUSED_LAYER_TYPES.items():
-        if layer_type in other_layers:
-            raise ValueError(
-                f"Prefix sharing is refused for '{model_type}' ({layer_type} layers): {reason}. {way_out}"
-            )
-    if getattr(text_config, "attention_chunk_size", None):
-        raise ValueError(f"Prefix sharing is refused for '{model_type}': {LOCAL_ROWS}. {way_out}")
-    if model_type in REFUSED:
-        raise ValueError(f"Prefix sharing is refused for '{model_type}': {REFUSED[model_type]}. {way_out}")
-    refused = registry()["refused"].get(model_type)
-    if refused is not None and not refused["reason"].startswith(_CHECKABLE_OUTCOMES):
-        raise ValueError(f"Prefix sharing is refused for '{model_type}': {refused['reason']}. {way_out}")
+    name = getattr(config, "model_type", None) or model_type  # the type the user knows (a multimodal model's own)
+    reason = refused_reason(config)
+    if reason is None:
+        refused = registry()["refused"].get(model_type)
+        if refused is not None and not refused["reason"].startswith(_CHECKABLE_OUTCOMES):
+            reason = refused["reason"]
+    if reason is not None:
+        raise ValueError(refusal(name, reason))
     entry = registry()["supported"].get(model_type)
     if entry is None:
         if getattr(text_config, "output_router_logits", False):
             raise ValueError(
-                f"Prefix sharing is not measured for the model type '{model_type}' with the router's auxiliary loss "
-                "(`output_router_logits=True`), which the start-up check (log-probs) cannot judge. Set "
-                f"`output_router_logits=False`, or {way_out[0].lower() + way_out[1:]}"
+                f"Prefix sharing cannot judge '{name}' with the router's auxiliary loss "
+                "(`output_router_logits=True`): the type is not in the measured registry, and the start-up check "
+                "compares log-probs only. Set `output_router_logits=False`, or train it with `prefix_sharing=False`."
             )
+        refused = registry()["refused"].get(model_type)
         if refused is not None:
-            return f"the sweep of model types did not settle '{model_type}' ({refused['reason']})"
+            return f"the measured registry did not settle '{model_type}' ({refused['reason']})"
         return f"the model type '{model_type}' is not in the measured registry"
     window, _ = window_layout(text_config)
     if window is not None and "sliding_window" not in entry.get("variants", ()):
         failed = entry.get("failed_variants", {}).get("sliding_window")
         if failed and any(outcome and outcome.startswith("differs") for outcome in failed.values()):
             raise ValueError(
-                f"Prefix sharing is measured equal for '{model_type}' without a sliding window only "
-                f"({_measured(entry, 'sliding_window')}); this config sets `sliding_window={window}`. {way_out}"
+                f"Prefix sharing does not support '{name}' with a sliding window (`sliding_window={window}`): "
+                f"measured on a tiny model of this type, {_measured(entry, 'sliding_window')}. Train it without "
+                "the window, or with `prefix_sharing=False`."
             )
         return f"'{model_type}' is measured without a sliding window only; this config sets `sliding_window={window}`"
     if getattr(text_config, "output_router_logits", False) and "router_aux_loss" not in entry.get("variants", ()):
         raise ValueError(
-            f"Prefix sharing is measured equal for '{model_type}' without the router's auxiliary loss only "
-            f"({_measured(entry, 'router_aux_loss')}); this config sets `output_router_logits=True`. {way_out}"
+            f"Prefix sharing does not support '{name}' with the router's auxiliary loss "
+            f"(`output_router_logits=True`): measured on a tiny model of this type, "
+            f"{_measured(entry, 'router_aux_loss')}. Set `output_router_logits=False`, or train it with "
+            "`prefix_sharing=False`."
         )
     return None
 
 
 def _measured(entry: dict, variant: str) -> str:
-    outcomes = entry.get("failed_variants", {}).get(variant)
-    if not outcomes:
-        return f"{variant}: not measured"
-    return f"{variant}: " + "; ".join(f"{kind} {outcome}" for kind, outcome in outcomes.items() if outcome)
+    """What the sweep measured for a variant that is not equal to stock, in words (the errors' text left out)."""
+    outcomes = entry.get("failed_variants", {}).get(variant) or {}
+    phrases = []
+    for kind, outcome in outcomes.items():
+        step = {"dpo": "DPO", "reward": "reward"}.get(kind, kind)
+        if not outcome or outcome == "equal":
+            continue
+        if outcome.startswith("differs"):
+            phrases.append(f"the prefix-shared {step} step differs from stock")
+        elif outcome.startswith("stock fails"):
+            phrases.append(f"stock TRL itself fails in the {step} step")
+        elif outcome.startswith("error") and outcome.endswith(" s"):
+            phrases.append(f"the {step} step ran over the sweep's time limit")
+        elif outcome.startswith("error"):
+            phrases.append(f"prefix sharing raised in the {step} step")
+        else:
+            phrases.append(f"the {step} step was not measured")
+    return "; ".join(phrases) or "this option was not measured"
 
 
 # ---------------------------------------------------------------------------------------------------- windows
