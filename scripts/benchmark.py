@@ -352,13 +352,14 @@ def write_outputs(results, args, command):
     ]
     if gpu:
         lines += [
-            "Target: beat the paper's speedups over its FlexAttention baseline (sharing / "
-            "sharing+packing, in the 'paper' column) and use less peak memory than stock.",
+            "What to compare: the speedups with the paper's over its FlexAttention baseline (sharing / "
+            "sharing+packing, in the 'paper' column), and peak memory with stock's.",
             "",
         ]
     else:
         lines += [
-            "Target: sharing at least 0.9 of the ideal where prompt >= completion, no slowdown on UltraFeedback.",
+            "What to expect: sharing at least 0.9 of the ideal where prompt >= completion, and no slowdown on "
+            "UltraFeedback (completions longer than prompts).",
             "",
         ]
     for kind in args.kinds:

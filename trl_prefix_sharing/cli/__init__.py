@@ -30,7 +30,7 @@ USAGE = """usage: trl-prefix-sharing {dpo,reward,grpo,rloo,online_dpo,kto,orpo,c
   kto      KTO training (TRL's `trl kto` arguments + prefix_sharing)
   orpo     ORPO (TRL's experimental ORPOConfig + prefix_sharing)
   cpo      CPO, SimPO, AlphaPO (TRL's experimental CPOConfig + prefix_sharing)
-  stats    does prefix sharing pay on this dataset? (loads the tokenizer only)
+  stats    does prefix sharing pay on this dataset? DPO, reward, GRPO, RLOO (loads the tokenizer only)
 
 Run `trl-prefix-sharing COMMAND --help` for a command's arguments."""
 
@@ -44,8 +44,8 @@ def launch(command: str, argv: list[str]) -> int:
 
     This process only parses and launches: it neither quantizes nor runs DeepSpeed, so their start-up lines are
     dropped here, and TRL's notice about its experimental modules (ORPO, CPO, online DPO) is left to the launched
-    script, which prints it (and any deprecation notice of the arguments) once. When the script fails it has printed its error; its exit status is returned without
-    the launcher's own traceback on top."""
+    script, which prints it (and any deprecation notice of the arguments) once. When the script fails it has printed
+    its error; its exit status is returned without the launcher's own traceback on top."""
     import subprocess
     import warnings
     from importlib import resources
@@ -95,10 +95,6 @@ def main(argv: list[str] | None = None) -> int:
         quiet_unused_backends()  # it neither quantizes nor runs DeepSpeed: no start-up lines from those
         from .stats import main as stats_main
 
-        try:
-            return stats_main(rest)
-        except (ValueError, FileNotFoundError) as error:  # bad dataset or path: the message, not a traceback
-            print(f"trl-prefix-sharing stats: error: {error}", file=sys.stderr)
-            return 2
+        return stats_main(rest)  # a user mistake: one line `trl-prefix-sharing stats: error: ...`, status 2
     print(f"trl-prefix-sharing: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2

@@ -1,11 +1,20 @@
 """`trl-prefix-sharing stats`: does prefix sharing pay on this dataset? Loads the tokenizer only.
 
-Tokenizes the dataset exactly as TRL's trainer would (same preprocessing, same truncation), runs the real collator and
-reports the prompt/completion length distribution, token positions per example with and without sharing and
-packing, and the predicted speedup: the ideal `2(p+c)/(p+2c)` for the linear layers (measured on this dataset as
-stock / shared positions) and for attention, and the expected one: the ideal times the share of ideal that
-`scripts/benchmark.py --record` measured on the benchmark profile whose prompt/completion ratio is nearest to this
-dataset's (`trl_prefix_sharing/data/measured_speedups.json`, one entry per device kind measured).
+Preference data (`--trainer dpo` or `reward`): tokenizes the dataset exactly as TRL's trainer would (same
+preprocessing, same truncation), runs the real collator and reports the lengths of the shared prefix (the prompt plus
+whatever start the completions have in common: prefix sharing computes the longest common token prefix of an
+example's rows once) and of the rest of each completion, token positions per example with and without sharing and
+packing, and the predicted speedup: the ideal for the linear layers (stock / shared positions, `2(p+c)/(p+2c)` for a
+pair) and for attention, and the expected one: the ideal times the share of ideal that `scripts/benchmark.py
+--record` measured on the benchmark profile whose shared prefix/rest ratio is nearest to this dataset's
+(`trl_prefix_sharing/data/measured_speedups.json`, one entry per device kind measured).
+
+Prompt-only data (`--trainer grpo` or `rloo`): the completions are generated during training, so their length is an
+assumption (`--completion_length`, by default `--max_completion_length`). Tokenizes the prompts as TRL does
+(conversational ones through the chat template with `add_generation_prompt=True`) and reports, per group of one prompt
+and its `--num_generations` completions, the positions stock TRL computes, G(P + C), against the shared layout's,
+P - 1 + G(C + 1) (the prompt once; each completion headed by a copy of the prompt's last token). Padding is not
+counted.
 """
 
 from __future__ import annotations
@@ -14,11 +23,29 @@ import argparse
 import json
 import math
 import os
+import sys
 import tempfile
+import warnings
 from importlib import resources
+from pathlib import Path
 
 
+PROG = "trl-prefix-sharing stats"
 MEASURED_SPEEDUPS = "measured_speedups.json"
+#: TRL 1.16's defaults: `num_generations` of GRPOConfig / RLOOConfig, and their `max_completion_length`
+NUM_GENERATIONS = {"grpo": 8, "rloo": 2}
+MAX_COMPLETION_LENGTH = 512
+#: TRL's defaults for the preference trainers (DPOConfig, RewardConfig and TrainingArguments)
+MAX_LENGTH, TRUNCATION_MODE, BATCH_SIZE = 1024, "keep_start", 8
+PREFERENCE_TRAINERS, GROUP_TRAINERS = ("dpo", "reward"), ("grpo", "rloo")
+#: the Hub's host, when `HF_ENDPOINT` does not name another
+HUB_ENDPOINT = "https://huggingface.co"
+#: set to see the traceback behind an error line
+TRACEBACK_VARIABLE = "TRL_PREFIX_SHARING_TRACEBACK"
+
+
+class StatsError(Exception):
+    """A user mistake (a path, a dataset, a flag): one line on stderr, exit status 2, no traceback."""
 
 
 def measured_speedups() -> dict:
@@ -28,7 +55,7 @@ def measured_speedups() -> dict:
 
 
 def expected_speedup_lines(kind: str, ratio: float, linear_ideal: float) -> list[str]:
-    """The expected speedup on a dataset of prompt/completion ratio `ratio`, from the nearest measured profile."""
+    """The expected speedup on a dataset of shared prefix/rest ratio `ratio`, from the nearest measured profile."""
     lines, recorded = [], measured_speedups()
     for mode, record in sorted(recorded.items()):
         profiles = record.get(kind) or {}
@@ -56,96 +83,408 @@ def _percentiles(values, points=(10, 50, 90, 99)):
     return ", ".join(f"p{p} {ordered[min(len(ordered) - 1, len(ordered) * p // 100)]}" for p in points)
 
 
-def _attention_cost(prefix: int, branches: list[int]) -> int:
-    """Query-key pairs a causal mask allows: the shared layout vs separate rows (each of prefix + branch)."""
-    cost = prefix * (prefix + 1) // 2
-    for b in branches:
-        cost += b * prefix + b * (b + 1) // 2
-    return cost
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="trl-prefix-sharing stats", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def _cause(error: BaseException) -> str:
+    """The innermost explicit cause of `error`, on one line (its type when it has no message)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    message = _one_line(error)
+    return message.rstrip(".") if message else type(error).__name__
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def _verdict(linear: float) -> str:
+    return "pays" if linear >= 1.15 else "pays little" if linear >= 1.05 else "does not pay"
+
+
+# --------------------------------------------------------------------------------------------------- arguments
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block
+        raise StatsError(f"{message} (see `{PROG} --help`)")
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def _boolean(text: str) -> bool:
+    value = text.strip().lower()
+    if value not in {"true", "false", "yes", "no", "1", "0"}:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value in {"true", "yes", "1"}
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--dataset_name", required=True, help="hub id, or a local JSON/JSONL/Parquet file or directory"
+        "--dataset_name", required=True, help="Hub id, or a local JSON/JSONL/Parquet/CSV file or directory"
     )
     parser.add_argument("--dataset_config", default=None)
     parser.add_argument("--dataset_train_split", default="train")
     parser.add_argument("--model_name_or_path", required=True, help="where to load the tokenizer from")
-    parser.add_argument("--trainer", choices=["dpo", "reward"], default="dpo")
-    parser.add_argument("--max_length", type=int, default=1024, help="as in DPOConfig/RewardConfig (0: none)")
-    parser.add_argument("--truncation_mode", default="keep_start", choices=["keep_start", "keep_end"])
-    parser.add_argument("--per_device_train_batch_size", type=int, default=8)
-    parser.add_argument("--max_examples", type=int, default=None, help="look at the first N examples only")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--trust_remote_code",
+        type=_boolean,
+        nargs="?",
+        const=True,
+        default=False,
+        help="let the tokenizer run code from its repository, as in TRL's ModelConfig (default: false)",
+    )
+    parser.add_argument(
+        "--trainer",
+        choices=[*PREFERENCE_TRAINERS, *GROUP_TRAINERS],
+        default="dpo",
+        help="dpo, reward: preference data (chosen/rejected or ranked completions); grpo, rloo: prompts only, "
+        "completions generated during training (default: dpo)",
+    )
+    parser.add_argument("--max_examples", type=_int_at_least(1), default=None, help="look at the first N rows only")
+    preference = parser.add_argument_group("dpo and reward")
+    preference.add_argument(
+        "--max_length",
+        type=_int_at_least(0),
+        default=None,
+        help=f"as in DPOConfig (truncates) and RewardConfig (drops longer examples); 0: none (default: {MAX_LENGTH})",
+    )
+    preference.add_argument(
+        "--truncation_mode",
+        choices=["keep_start", "keep_end"],
+        default=None,
+        help=f"dpo only, as in DPOConfig (default: {TRUNCATION_MODE})",
+    )
+    preference.add_argument(
+        "--per_device_train_batch_size",
+        type=_int_at_least(1),
+        default=None,
+        help=f"examples per micro-batch, for the padding and packing estimates (default: {BATCH_SIZE})",
+    )
+    group = parser.add_argument_group("grpo and rloo")
+    group.add_argument(
+        "--num_generations",
+        type=_int_at_least(2),
+        default=None,
+        help="completions per prompt, as in GRPOConfig/RLOOConfig (default: TRL's, "
+        + ", ".join(f"{k} {v}" for k, v in NUM_GENERATIONS.items())
+        + ")",
+    )
+    group.add_argument(
+        "--max_completion_length",
+        type=_int_at_least(1),
+        default=None,
+        help=f"as in GRPOConfig/RLOOConfig (default: TRL's, {MAX_COMPLETION_LENGTH})",
+    )
+    group.add_argument(
+        "--completion_length",
+        type=_int_at_least(1),
+        default=None,
+        help="the assumed length of every generated completion, in tokens (default: --max_completion_length, "
+        "the longest TRL generates; completions that stop at EOS are shorter, so pass the typical length you see)",
+    )
+    return parser
 
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from tqdm.auto import tqdm
+
+def parse_args(argv: list[str] | None):
+    args = make_parser().parse_args(argv)
+    given = lambda *names: [f"--{n}" for n in names if getattr(args, n) is not None]  # noqa: E731
+    if args.trainer in GROUP_TRAINERS:
+        if wrong := given("max_length", "truncation_mode", "per_device_train_batch_size"):
+            raise StatsError(
+                f"{', '.join(wrong)} applies to --trainer dpo or reward; with --trainer {args.trainer} the "
+                "prompts are not truncated and padding is not counted; drop it"
+            )
+        args.num_generations = args.num_generations or NUM_GENERATIONS[args.trainer]
+        args.max_completion_length = args.max_completion_length or MAX_COMPLETION_LENGTH
+        if args.completion_length is None:
+            args.completion_length = args.max_completion_length
+        elif args.completion_length > args.max_completion_length:
+            raise StatsError(
+                f"--completion_length {args.completion_length} is longer than --max_completion_length "
+                f"{args.max_completion_length}, where generation stops; pass at most {args.max_completion_length} "
+                "or raise --max_completion_length"
+            )
+    else:
+        if wrong := given("num_generations", "max_completion_length", "completion_length"):
+            raise StatsError(
+                f"{', '.join(wrong)} applies to --trainer grpo or rloo (completions generated during training); "
+                f"--trainer {args.trainer} counts the dataset's own completions; drop it, or pass --trainer grpo"
+            )
+        if args.trainer == "reward" and args.truncation_mode is not None:
+            raise StatsError(
+                "--truncation_mode applies to --trainer dpo only: the reward trainer drops the examples longer "
+                "than --max_length instead of truncating them; drop it"
+            )
+        args.max_length = MAX_LENGTH if args.max_length is None else args.max_length
+        args.truncation_mode = args.truncation_mode or TRUNCATION_MODE
+        args.per_device_train_batch_size = args.per_device_train_batch_size or BATCH_SIZE
+    return args
+
+
+# --------------------------------------------------------------------------------------------------- loading
+
+
+def _is_local(name: str) -> bool:
+    """Whether `name` names a local path (one that exists, or is written as a path) rather than a Hub id."""
+    from .train import _LOCAL_BUILDERS
+
+    path = Path(name).expanduser()
+    return path.exists() or name.startswith((".", "/", "~")) or path.suffix.lower() in _LOCAL_BUILDERS
+
+
+def _offline() -> bool:
+    flag = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return flag.upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _hub_unreachable(timeout: float = 5.0) -> str | None:
+    """Why the Hugging Face Hub cannot be reached from here (a connection to its host, `timeout` seconds at most), or
+    None. Behind a proxy it cannot tell: None."""
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
+        return None
+    url = urlparse(os.environ.get("HF_ENDPOINT") or HUB_ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    outcome = []
+
+    def connect():
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            outcome.append(None)
+        except OSError as error:
+            outcome.append(f"{host}: {error.strerror or _one_line(error) or type(error).__name__}")
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(timeout + 1)
+    return outcome[0] if outcome else f"{host}: no answer in {timeout:.0f} seconds"
+
+
+def go_offline_if_unreachable(*names: str) -> str | None:
+    """When a name is a Hub id and the Hub cannot be reached, set offline mode (before transformers and datasets are
+    imported) so that a cached copy loads at once and a missing one fails at once, instead of minutes of retries.
+    Returns why it is offline (None: online, or only local paths)."""
+    if _offline():
+        return "offline mode is set (HF_HUB_OFFLINE)"
+    if all(_is_local(name) for name in names):
+        return None
+    reason = _hub_unreachable()
+    if reason is not None:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        reason = f"the Hub cannot be reached ({reason})"
+    return reason
+
+
+def load_tokenizer(name: str, offline: str | None, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    from ..collator import PrefixSharingCollator
-    from ..config import DPOConfig, RewardConfig
-    from ..dpo_trainer import DPO_COLUMNS
-    from ..layout import shared_positions
-    from ..reward_trainer import REWARD_COLUMNS
-    from ..sampler import MultipackSampler
-    from ..validation import check_dataset_columns
-    from .train import load_script_dataset
+    path = Path(name).expanduser()
+    way_out = "pass --model_name_or_path a model directory (as written by save_pretrained) or a Hub model id"
+    if _is_local(name) and not path.exists():
+        raise StatsError(f"cannot load a tokenizer from {name!r}: no such directory; {way_out}")
+    if path.is_file():
+        raise StatsError(f"cannot load a tokenizer from {name!r}: it is a file, not a directory; {way_out}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except Exception as error:  # any failure to load what the user named is about that name
+        if path.is_dir():
+            raise StatsError(
+                f"cannot load a tokenizer from the directory {name!r} ({_cause(error)}); pass the directory a "
+                "model and its tokenizer were saved to (tokenizer.json or tokenizer_config.json)"
+            ) from None
+        if offline:
+            raise StatsError(
+                f"cannot load a tokenizer for {name!r}: no such local directory, and the Hub model is not in the "
+                f"local Hugging Face cache while {offline}; check the path, or download the model once with a "
+                "connection"
+            ) from None
+        raise StatsError(
+            f"cannot load a tokenizer for {name!r} from the Hugging Face Hub ({_cause(error)}); check the model id "
+            "(a gated model needs `hf auth login`) or pass a local model directory"
+        ) from None
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise StatsError(
+                f"the tokenizer of {name!r} has neither a pad token nor an EOS token; TRL needs one to pad: set "
+                "one and save the tokenizer again"
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_split(args, offline: str | None):
+    """The `--dataset_train_split` split of `--dataset_name`, loaded as the training commands load it."""
+    import datasets
+
+    from .train import _LOCAL_BUILDERS, load_script_dataset
+
+    name, split = args.dataset_name, args.dataset_train_split
+    path = Path(name).expanduser()
+    way_out = f"pass --dataset_name a local {'/'.join(_LOCAL_BUILDERS)} file, a directory of them, or a Hub dataset id"
+    if args.dataset_config:
+        way_out += f", and check --dataset_config {args.dataset_config!r}"
+    if _is_local(name) and not path.exists():
+        raise StatsError(f"cannot load the dataset {name!r}: no such file or directory; {way_out}")
+    if path.is_file() and path.stat().st_size == 0:
+        raise StatsError(f"the dataset file {name!r} is empty; {way_out}")
 
     class _Script:
-        dataset_name, dataset_config = args.dataset_name, args.dataset_config
-        dataset_train_split, dataset_streaming = args.dataset_train_split, False
+        dataset_name, dataset_config = name, args.dataset_config
+        dataset_train_split, dataset_streaming = split, False
 
     class _Mixture:
         datasets = None
 
-    dataset = load_script_dataset(_Script, _Mixture)
-    if args.dataset_train_split not in dataset:
-        raise SystemExit(f"Split {args.dataset_train_split!r} not in the dataset (splits: {list(dataset)}).")
-    dataset = dataset[args.dataset_train_split]
-    check_dataset_columns(
-        dataset, args.dataset_train_split, *(DPO_COLUMNS if args.trainer == "dpo" else REWARD_COLUMNS)
-    )
-    if args.max_examples:
-        dataset = dataset.select(range(min(args.max_examples, len(dataset))))
-    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    bars, verbosity = datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity()
+    if path.exists():
+        datasets.disable_progress_bars()  # a local file loads at once: no bar
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a failure is reported below, once
+    try:
+        dataset = load_script_dataset(_Script, _Mixture)
+    except Exception as error:  # any failure to load what the user named is about that name
+        if path.exists():
+            raise StatsError(f"cannot read the dataset {name!r} ({_cause(error)}); {way_out}") from None
+        if offline and not isinstance(error, ValueError):
+            raise StatsError(
+                f"cannot load the dataset {name!r}: no such local file or directory, and the Hub dataset is not in "
+                f"the local Hugging Face cache while {offline}; check the path, or download the dataset once with "
+                "a connection"
+            ) from None
+        raise StatsError(
+            f"cannot load the dataset {name!r} ({_cause(error)}); check the dataset id and --dataset_config, or "
+            "pass a local file or directory"
+        ) from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
+    if split not in dataset:
+        raise StatsError(
+            f"the dataset {name!r} has no split {split!r} (its splits: {', '.join(map(repr, dataset))}); pass "
+            "--dataset_train_split with one of them"
+        )
+    dataset = dataset[split]
+    if len(dataset) == 0:
+        raise StatsError(f"the {split!r} split of the dataset {name!r} has no rows")
+    return dataset
+
+
+def _check_columns(dataset, args) -> None:
+    columns = set(dataset.column_names)
+    if args.trainer in GROUP_TRAINERS:
+        if "prompt" not in columns:
+            hint = (
+                "; for preference data pass --trainer dpo or reward"
+                if {"chosen", "rejected"} <= columns or "completions" in columns
+                else ""
+            )
+            raise StatsError(
+                f"the dataset has columns {sorted(columns)}; --trainer {args.trainer} needs a 'prompt' column (text "
+                f"or a list of messages), as TRL's {args.trainer.upper()}Trainer does{hint}"
+            )
+        if {"image", "images"} & columns:
+            raise StatsError(
+                f"the dataset has an image column; {PROG} counts text tokens with the tokenizer only and cannot count "
+                "the tokens of images"
+            )
+        return
+    from ..dpo_trainer import DPO_COLUMNS
+    from ..reward_trainer import REWARD_COLUMNS
+    from ..validation import check_dataset_columns
+
+    try:
+        check_dataset_columns(
+            dataset, args.dataset_train_split, *(DPO_COLUMNS if args.trainer == "dpo" else REWARD_COLUMNS)
+        )
+    except ValueError as error:
+        hint = ""
+        if "prompt" in columns and not {"chosen", "rejected", "completions"} & columns:
+            hint = "; for prompt-only data (completions generated during training) pass --trainer grpo or rloo"
+        raise StatsError(f"{_one_line(error).rstrip('.')}{hint}") from None
+
+
+# --------------------------------------------------------------------------------------------------- preference data
+
+
+def _preprocess(trainer, dataset, tokenizer, config):
+    """TRL's own preprocessing of `trainer`'s class (`_prepare_dataset`), without a model."""
+    try:
+        return trainer._prepare_dataset(dataset, tokenizer, config, "train")
+    except (ValueError, KeyError) as error:  # TRL's checks of the data and the tokenizer's; a column TRL reads
+        cause = f"it reads a column {error} that the dataset lacks" if isinstance(error, KeyError) else _cause(error)
+        name = type(trainer).__name__
+        raise StatsError(f"TRL's {name} preprocessing cannot take this dataset ({cause})") from None
+
+
+def preference_report(dataset, tokenizer, args) -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import datasets
+    from tqdm.auto import tqdm
+
+    from ..collator import PrefixSharingCollator
+    from ..config import DPOConfig, RewardConfig
+    from ..layout import shared_positions
+    from ..sampler import MultipackSampler
+    from ..stats import causal_pairs
+
     max_length = args.max_length or None
+    bars = datasets.is_progress_bar_enabled()
+    if len(dataset) <= 4096:
+        datasets.disable_progress_bars()  # preprocessing takes seconds: no bars
+    try:
+        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # TrainingArguments' deprecations: not the user's doing
+            common = dict(output_dir=tmp, max_length=max_length, use_cpu=True, bf16=False, report_to="none")
+            if args.trainer == "dpo":
+                import trl
+                from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-    with tempfile.TemporaryDirectory() as tmp:
-        common = dict(output_dir=tmp, max_length=max_length, use_cpu=True, bf16=False, report_to="none")
-        if args.trainer == "dpo":
-            import trl
-            from trl.trainer.dpo_trainer import DataCollatorForPreference
+                config = DPOConfig(truncation_mode=args.truncation_mode, **common)
+                preparer = object.__new__(trl.DPOTrainer)  # TRL's own preprocessing, without a model
+                preparer._tokenizer = tokenizer
+                dataset = _preprocess(preparer, dataset, tokenizer, config)
+                base = DataCollatorForPreference(
+                    pad_token_id=tokenizer.pad_token_id, max_length=max_length, truncation_mode=args.truncation_mode
+                )
+            else:
+                from trl.trainer.reward_trainer import DataCollatorForPreference
 
-            config = DPOConfig(truncation_mode=args.truncation_mode, **common)
-            preparer = object.__new__(trl.DPOTrainer)  # TRL's own preprocessing, without a model
-            preparer._tokenizer = tokenizer
-            dataset = preparer._prepare_dataset(dataset, tokenizer, config, "train")
-            base = DataCollatorForPreference(
-                pad_token_id=tokenizer.pad_token_id, max_length=max_length, truncation_mode=args.truncation_mode
-            )
-        else:
-            from trl.trainer.reward_trainer import DataCollatorForPreference
+                from ..ranked import RankedCollator, is_ranked_dataset
+                from ..reward_trainer import RewardTrainer
 
-            from ..ranked import RankedCollator, is_ranked_dataset
-            from ..reward_trainer import RewardTrainer
-
-            config = RewardConfig(**common)
-            ranked = is_ranked_dataset(dataset.column_names)
-            dataset = object.__new__(RewardTrainer)._prepare_dataset(dataset, tokenizer, config, "train")
-            base = (
-                RankedCollator(tokenizer.pad_token_id)
-                if ranked
-                else DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)
-            )
+                config = RewardConfig(**common)
+                ranked = is_ranked_dataset(dataset.column_names)
+                dataset = _preprocess(object.__new__(RewardTrainer), dataset, tokenizer, config)
+                base = (
+                    RankedCollator(tokenizer.pad_token_id)
+                    if ranked
+                    else DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)
+                )
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
     # each example on its own: what every micro-batch saves (one that holds several pairs of a prompt saves more)
     collator = PrefixSharingCollator(base, pad_token_id=tokenizer.pad_token_id, across_examples=False)
 
-    prompt_lens, completion_lens, shared_units, unshared_units = [], [], [], []
+    prompt_lens, common_lens, shared_lens, rest_lens, shared_units, unshared_units = [], [], [], [], [], []
     stock_tokens = shared_tokens = stock_attention = shared_attention = no_prefix = 0
     stock_padded = shared_padded = 0  # positions of batches of `per_device_train_batch_size`, padding included
     batch_size = args.per_device_train_batch_size
@@ -155,6 +494,13 @@ def main(argv: list[str] | None = None) -> int:
         batch = collator(examples)
         layout = batch["prefix_sharing"]
         lengths = batch["attention_mask"].sum(dim=1).tolist()
+        if "completion_mask" in batch:  # DPO: the prompt is what precedes the completion mask (after truncation)
+            completion = batch["completion_mask"].bool()
+            prompts = [
+                int(completion[r].int().argmax()) if completion[r].any() else lengths[r] for r in range(len(lengths))
+            ]
+        else:
+            prompts = None  # the reward trainer tokenizes prompt and completion as one text
         per_doc = (layout["document_ids"] >= 0).sum(dim=1).tolist()
         prefix = shared_positions(layout).sum(dim=1).tolist()  # positions every row of the example reads
         groups = collator.example_groups(batch)
@@ -166,18 +512,23 @@ def main(argv: list[str] | None = None) -> int:
         for group, doc_len, p in zip(groups, per_doc, prefix, strict=True):
             rows = [lengths[r] for r in group]
             shared_p = p + 1 if p else 0  # the prefix plus the copy of its last token heading each branch
-            prompt_lens.append(shared_p)
-            completion_lens.extend(n - shared_p for n in rows)
+            shared_lens.append(shared_p)
+            rest_lens.extend(n - shared_p for n in rows)
+            if prompts is not None:
+                prompt = prompts[group[0]]
+                prompt_lens.append(prompt)
+                common_lens.append(max(shared_p - prompt, 0))
             stock_tokens += sum(rows)
             shared_tokens += doc_len
             shared_units.append(doc_len)
             unshared_units.append(sum(rows))
-            stock_attention += sum(n * (n + 1) // 2 for n in rows)
-            shared_attention += _attention_cost(p, [n - p for n in rows])
+            stock_attention += sum(causal_pairs(0, [n]) for n in rows)
+            shared_attention += causal_pairs(p, [n - p for n in rows])
             no_prefix += p == 0
-    n = len(prompt_lens)
+    n = len(shared_lens)
     if n == 0:
-        raise SystemExit("No examples left after preprocessing (all dropped by max_length?).")
+        limit = f"longer than --max_length {max_length}" if max_length else "empty after tokenization"
+        raise StatsError(f"no examples left after TRL's preprocessing: all were {limit}; raise --max_length")
     linear = stock_tokens / max(shared_tokens, 1)
     attention = stock_attention / max(shared_attention, 1)
 
@@ -190,28 +541,157 @@ def main(argv: list[str] | None = None) -> int:
     shared_len, shared_eff, shared_packed = packing(shared_units)
     unshared_len, unshared_eff, unshared_packed = packing(unshared_units)
     median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
-    ratio = median(prompt_lens) / max(median(completion_lens), 1)
+    ratio = median(shared_lens) / max(median(rest_lens), 1)
+    if args.trainer == "dpo":
+        limits = f"max_length={max_length}, truncation {args.truncation_mode}"
+    else:
+        limits = f"max_length={max_length}" + (": longer examples dropped" if max_length else "")
+    width = 42
+    print(f"Dataset {args.dataset_name} ({_count(n, 'example')} after TRL's preprocessing; {args.trainer}, {limits})")
+    if prompt_lens:
+        print(f"  {'prompt tokens:':<{width}}{_percentiles(prompt_lens)}")
     print(
-        f"Dataset {args.dataset_name} ({n:,} examples after TRL's preprocessing, {args.trainer}, "
-        f"max_length={max_length}, {args.truncation_mode})"
+        f"  {'shared prefix tokens, computed once:':<{width}}{_percentiles(shared_lens)} "
+        "(the prompt + the common start of the completions)"
     )
-    print(f"  shared prefix (prompt) tokens:  {_percentiles(prompt_lens)}")
-    print(f"  completion tokens:              {_percentiles(completion_lens)}")
+    if common_lens:
+        print(f"  {'common start of the completions:':<{width}}{_percentiles(common_lens)} (in the shared prefix)")
+    print(f"  {'each completion after the shared prefix:':<{width}}{_percentiles(rest_lens)} (tokens, not shared)")
     print(
-        f"  positions per example:          stock {stock_tokens / n:.1f}, shared {shared_tokens / n:.1f} "
-        f"(tokens, no padding)"
+        f"  {'positions per example:':<{width}}stock {stock_tokens / n:.1f}, shared {shared_tokens / n:.1f} "
+        "(tokens, no padding)"
     )
     print(
-        f"  {f'with padding, batches of {batch_size}:':<32}stock {stock_padded / n:.1f}, "
+        f"  {f'with padding, batches of {batch_size}:':<{width}}stock {stock_padded / n:.1f}, "
         f"shared {shared_padded / n:.1f}; packed rows: unshared {unshared_packed:.1f}, shared {shared_packed:.1f}"
     )
-    print(f"  examples with no shared prefix: {no_prefix:,}")
-    print(f"  packing (rows of {shared_len} tokens, shared):   {100 * shared_eff:.1f}% of row tokens used")
-    print(f"  packing (rows of {unshared_len} tokens, unshared): {100 * unshared_eff:.1f}% of row tokens used")
-    print(f"  ideal speedup, linear layers 2(p+c)/(p+2c): {linear:.2f}x; attention: {attention:.2f}x")
-    print(f"  expected training speedup from sharing (median prompt/completion {ratio:.2f}):")
+    print(f"  {'examples with no shared prefix:':<{width}}{no_prefix:,}")
+    print(f"  {f'packing, shared rows of {shared_len} tokens:':<{width}}{100 * shared_eff:.1f}% of row tokens used")
+    print(
+        f"  {f'packing, unshared rows of {unshared_len} tokens:':<{width}}{100 * unshared_eff:.1f}% of row tokens used"
+    )
+    print(
+        f"  {'ideal speedup, linear layers:':<{width}}{linear:.2f}x (stock / shared positions; 2(p+c)/(p+2c) for a "
+        "pair, p the shared prefix, c the rest of a completion)"
+    )
+    print(f"  {'ideal speedup, attention:':<{width}}{attention:.2f}x (stock / shared query-key pairs)")
+    print(f"  expected training speedup from sharing (median shared prefix / rest of a completion {ratio:.2f}):")
     for line in expected_speedup_lines(args.trainer, ratio, linear):
         print(line)
-    verdict = "pays" if linear >= 1.15 else "pays little" if linear >= 1.05 else "does not pay"
-    print(f"  verdict: prefix sharing {verdict} on this dataset.")
+    print(f"  verdict: prefix sharing {_verdict(linear)} on this dataset.")
+
+
+# --------------------------------------------------------------------------------------------------- GRPO, RLOO
+
+
+def prompt_lengths(dataset, tokenizer, chunk: int = 256) -> tuple[list[int], bool]:
+    """Token counts of the prompts as TRL's GRPO/RLOO trainers tokenize them (`_tokenize_prompts`): conversational
+    ones through the chat template with `add_generation_prompt=True`, text as it is. Also: whether any was
+    conversational."""
+    from tqdm.auto import tqdm
+    from trl.data_utils import is_conversational
+
+    lengths, conversational = [], False
+    for start in tqdm(range(0, len(dataset), chunk), desc="Tokenizing prompts", disable=len(dataset) <= 16 * chunk):
+        prompts = dataset[start : start + chunk]["prompt"]
+        for offset, prompt in enumerate(prompts):
+            if not isinstance(prompt, (str, list)) or (
+                isinstance(prompt, list) and not all(isinstance(m, dict) and "role" in m for m in prompt)
+            ):
+                raise StatsError(
+                    f"row {start + offset}: 'prompt' is {_one_line(repr(prompt))[:80]}; expected text or a list of "
+                    "messages (dicts with 'role' and 'content'); fix or drop the row"
+                )
+        chat = [is_conversational({"prompt": p}) for p in prompts]
+        try:
+            if any(chat):
+                conversational = True
+                messages = [p for p, c in zip(prompts, chat, strict=True) if c]
+                encoded = iter(
+                    tokenizer.apply_chat_template(
+                        conversation=messages, add_generation_prompt=True, tokenize=True, return_dict=True
+                    )["input_ids"]
+                )
+            if not all(chat):
+                texts = [p for p, c in zip(prompts, chat, strict=True) if not c]
+                plain = iter(tokenizer(text=texts)["input_ids"])
+        except Exception as error:  # the tokenizer on the user's prompts: a template or a text it cannot take
+            what, way_out = (
+                ("the chat template", "conversational prompts need a tokenizer whose chat template takes them")
+                if any(chat)
+                else ("the tokenizer", "check the prompts' text")
+            )
+            raise StatsError(
+                f"{what} of --model_name_or_path cannot take the prompts of rows {start}-{start + len(prompts) - 1} "
+                f"({_cause(error)}); {way_out}"
+            ) from None
+        lengths.extend(len(next(encoded) if c else next(plain)) for c in chat)
+    return lengths, conversational
+
+
+def group_report(dataset, tokenizer, args) -> None:
+    from ..stats import group_stats
+
+    lengths, conversational = prompt_lengths(dataset, tokenizer)
+    g, c = args.num_generations, args.completion_length
+    stats = group_stats(lengths, c, g)
+    config = f"{args.trainer.upper()}Config"
+    if c == args.max_completion_length:
+        source = (
+            "--max_completion_length"
+            + ("" if args.max_completion_length != MAX_COMPLETION_LENGTH else f", TRL's {config} default")
+            + ": completions that stop at EOS are shorter; pass their typical length with --completion_length"
+        )
+    else:
+        source = "--completion_length"
+    tokenized = "chat template, add_generation_prompt=True" if conversational else "plain text, no chat template"
+    width = 42
+    print(f"Dataset {args.dataset_name} ({_count(len(lengths), 'prompt')}; {args.trainer}, num_generations={g})")
+    print(f"  {'assumed completion length:':<{width}}{c} tokens each ({source})")
+    print(f"  {'prompt tokens:':<{width}}{_percentiles(lengths)} ({tokenized})")
+    print(f"  positions per group (a prompt and its {g} completions; padding not counted):")
+    print(f"    {'stock, G(P+C):':<{width - 2}}{stats.stock_per_group:,.1f} ({g} rows of prompt + completion)")
+    print(
+        f"    {'shared, P-1+G(C+1):':<{width - 2}}{stats.shared_per_group:,.1f} (the prompt once; each completion "
+        "headed by a copy of the prompt's last token)"
+    )
+    if stats.empty_prompts:
+        print(f"  {'prompts with no tokens:':<{width}}{stats.empty_prompts:,} (nothing to share)")
+    print(
+        f"  {'ideal speedup, linear layers:':<{width}}{stats.linear_speedup:.2f}x (stock / shared positions), of "
+        "the passes that score the completions"
+    )
+    print(f"  {'ideal speedup, attention:':<{width}}{stats.attention_speedup:.2f}x (stock / shared query-key pairs)")
+    print(
+        "  the scoring passes: training forward and backward, old-policy and reference log-probs; generation is not "
+        "sped up, and often takes most of a step"
+    )
+    print(f"  {'expected training speedup:':<{width}}no {args.trainer.upper()} benchmark recorded")
+    print(f"  verdict: prefix sharing {_verdict(stats.linear_speedup)} on the scoring passes on this dataset.")
+
+
+# --------------------------------------------------------------------------------------------------- main
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    offline = go_offline_if_unreachable(args.model_name_or_path, args.dataset_name)
+    tokenizer = load_tokenizer(args.model_name_or_path, offline, args.trust_remote_code)
+    dataset = load_split(args, offline)
+    if args.max_examples:
+        dataset = dataset.select(range(min(args.max_examples, len(dataset))))
+    _check_columns(dataset, args)
+    (group_report if args.trainer in GROUP_TRAINERS else preference_report)(dataset, tokenizer, args)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `stats`; a user mistake ends in one line on stderr and exit status 2 (`TRL_PREFIX_SHARING_TRACEBACK=1`
+    shows the traceback, as for the training commands)."""
+    try:
+        return run(argv)
+    except (StatsError, ValueError, FileNotFoundError) as error:  # bad data reaches TRL's checks as ValueError
+        if os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0"):
+            raise
+        print(f"{PROG}: error: {_one_line(error)}", file=sys.stderr)
+        return 2

@@ -1,0 +1,283 @@
+"""`trl-prefix-sharing stats` end to end as a subprocess (and in-process for the quick error cases), offline, on a
+tokenizer saved from `make_tokenizer` and small JSONL datasets."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+ERROR = "trl-prefix-sharing stats: error: "
+
+
+def _env():
+    return {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def _stats(args, cwd, timeout=300):
+    path = Path(sys.executable).parent / "trl-prefix-sharing"
+    command = [str(path)] if path.exists() else [sys.executable, "-m", "trl_prefix_sharing"]
+    return subprocess.run(
+        command + ["stats", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_env()
+    )
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, tokenizer):
+    from trl_prefix_sharing.testing import synthetic_pairs
+
+    root = tmp_path_factory.mktemp("stats")
+    tokenizer.save_pretrained(root / "tok")
+    _write_jsonl(root / "prefs.jsonl", synthetic_pairs(16, (10, 50), (1, 8), seed=40))
+    (root / "prefs_dir").mkdir()
+    _write_jsonl(root / "prefs_dir" / "train.jsonl", synthetic_pairs(4, (10, 20), (1, 4), seed=1))
+    # prompt 4 tokens; the completions start alike ("the the"), then differ; DPO adds EOS to text completions
+    _write_jsonl(
+        root / "common.jsonl", [{"prompt": "w1 w2 w3 w4", "chosen": " the the w5", "rejected": " the the w6 w7"}]
+    )
+    _write_jsonl(root / "prompts.jsonl", [{"prompt": "w1 w2 w3"}, {"prompt": "w4 w5 w6 w7 w8"}])  # 3 and 5 tokens
+    # `<|user|> w1 w2 <|end|>` + the generation prompt `<|assistant|>`: 5 tokens
+    _write_jsonl(root / "chat_prompts.jsonl", [{"prompt": [{"role": "user", "content": "w1 w2"}]}])
+    return root
+
+
+def _one_error_line(proc_or_err, returncode=None):
+    stderr = proc_or_err if isinstance(proc_or_err, str) else proc_or_err.stderr
+    if returncode is None:
+        returncode = proc_or_err.returncode
+    assert returncode == 2, stderr
+    assert "Traceback" not in stderr
+    lines = stderr.strip("\n").splitlines()
+    assert len(lines) == 1 and lines[0].startswith(ERROR), stderr
+    return lines[0][len(ERROR) :]
+
+
+# ------------------------------------------------------------------------------------------ preference data
+
+
+def test_stats_reports_whether_it_pays(workspace):
+    proc = _stats(
+        ["--dataset_name", str(workspace / "prefs.jsonl"), "--model_name_or_path", str(workspace / "tok")], workspace
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for text in (
+        "positions per example",
+        "with padding, batches of 8",
+        "packed rows: unshared",
+        "ideal speedup",
+        "expected training speedup from sharing",
+        "verdict: prefix sharing pays",
+    ):
+        assert text in proc.stdout
+    from trl_prefix_sharing.cli.stats import measured_speedups
+
+    for mode, record in measured_speedups().items():  # the expectation quotes every recorded benchmark
+        assert f"{mode.upper()} ({record['device']}; " in proc.stdout and "share of ideal measured" in proc.stdout
+
+
+def _line(stdout, label):
+    (line,) = [line for line in stdout.splitlines() if line.strip().startswith(label)]
+    return line
+
+
+def test_stats_dpo_labels_the_shared_prefix_truthfully(workspace, capsys):
+    """The shared prefix holds the prompt and the completions' common start; both are reported, and nothing calls
+    the shared prefix "prompt" or the rest "completion tokens"."""
+    from trl_prefix_sharing.cli.stats import main
+
+    argv = ["--dataset_name", str(workspace / "common.jsonl"), "--model_name_or_path", str(workspace / "tok")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "prompt tokens:" in _line(out, "prompt tokens:") and "p50 4," in _line(out, "prompt tokens:")
+    shared = _line(out, "shared prefix tokens, computed once:")
+    assert "p50 6," in shared and "(the prompt + the common start of the completions)" in shared
+    assert "p50 2," in _line(out, "common start of the completions:")
+    rest = _line(out, "each completion after the shared prefix:")
+    assert "p10 2," in rest and "p99 3" in rest and "not shared" in rest  # `w5 <eos>`, `w6 w7 <eos>`
+    # rows of 4 + 4 and 4 + 5 tokens; shared: 5 positions, then each branch from a copy of the last common token
+    assert "stock 17.0, shared 12.0" in _line(out, "positions per example:")
+    assert "median shared prefix / rest of a completion" in out
+    assert "shared prefix (prompt)" not in out and "completion tokens:" not in out
+
+
+def test_stats_reward_labels_do_not_claim_a_prompt(workspace, capsys):
+    from trl_prefix_sharing.cli.stats import main
+
+    argv = ["--dataset_name", str(workspace / "common.jsonl"), "--model_name_or_path", str(workspace / "tok")]
+    assert main([*argv, "--trainer", "reward"]) == 0
+    out = capsys.readouterr().out
+    assert "reward, max_length=1024: longer examples dropped" in out and "keep_start" not in out
+    assert "(the prompt + the common start of the completions)" in _line(out, "shared prefix tokens, computed once:")
+    assert "prompt tokens:" not in out  # the reward trainer tokenizes prompt and completion as one text
+
+
+# ------------------------------------------------------------------------------------------ GRPO / RLOO
+
+
+def test_stats_grpo_positions_match_a_hand_count(workspace, capsys):
+    """Prompts of 3 and 5 tokens, G = 4 completions of C = 10 tokens:
+    stock G(P+C) = 52 and 60 (mean 56); shared P-1+G(C+1) = 46 and 48 (mean 47); ratio 112/94 = 1.19;
+    attention: stock 4*13*14/2 + 4*15*16/2 = 844 query-key pairs, shared (3 + 4*(11*2 + 66)) + (10 + 4*(11*4 + 66))
+    = 355 + 450 = 805, ratio 1.05."""
+    from trl_prefix_sharing.cli.stats import main
+
+    argv = ["--dataset_name", str(workspace / "prompts.jsonl"), "--model_name_or_path", str(workspace / "tok")]
+    assert main([*argv, "--trainer", "grpo", "--num_generations", "4", "--completion_length", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "(2 prompts; grpo, num_generations=4)" in out
+    assert "10 tokens each (--completion_length)" in _line(out, "assumed completion length:")
+    assert "p10 3, p50 5, p90 5, p99 5 (plain text, no chat template)" in _line(out, "prompt tokens:")
+    assert "padding not counted" in out
+    assert _line(out, "stock, G(P+C):").split(":")[1].split()[0] == "56.0"
+    assert _line(out, "shared, P-1+G(C+1):").split(":")[1].split()[0] == "47.0"
+    assert "1.19x" in _line(out, "ideal speedup, linear layers:")
+    assert "1.05x" in _line(out, "ideal speedup, attention:")
+    assert "generation is not sped up" in out
+    assert "verdict: prefix sharing pays on the scoring passes" in out
+
+
+def test_stats_grpo_defaults_are_trls_and_stated(workspace, capsys):
+    """Defaults: GRPOConfig's num_generations (8) and max_completion_length (512) as the assumed length, said so;
+    RLOO: RLOOConfig's 2 generations. Conversational prompts go through the chat template with the generation
+    prompt: 5 tokens here. One prompt of 5 tokens: stock 8 * 517 = 4136, shared 4 + 8 * 513 = 4108."""
+    from trl_prefix_sharing.cli.stats import main
+
+    argv = ["--dataset_name", str(workspace / "chat_prompts.jsonl"), "--model_name_or_path", str(workspace / "tok")]
+    assert main([*argv, "--trainer", "grpo"]) == 0
+    out = capsys.readouterr().out
+    assert "num_generations=8" in out
+    assumption = _line(out, "assumed completion length:")
+    assert "512 tokens each (--max_completion_length, TRL's GRPOConfig default" in assumption
+    assert "--completion_length" in assumption
+    assert "p50 5," in _line(out, "prompt tokens:") and "add_generation_prompt=True" in _line(out, "prompt tokens:")
+    assert "4,136.0" in _line(out, "stock, G(P+C):") and "4,108.0" in _line(out, "shared, P-1+G(C+1):")
+    assert main([*argv, "--trainer", "rloo", "--max_completion_length", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "rloo, num_generations=2" in out and "20 tokens each (--max_completion_length:" in out
+    assert "RLOOConfig" not in out  # not TRL's default: said to come from the flag only
+
+
+def test_group_defaults_are_trls():
+    """The defaults the GRPO/RLOO mode states as TRL's are the installed TRL's config defaults."""
+    import dataclasses
+
+    import trl
+
+    from trl_prefix_sharing.cli.stats import MAX_COMPLETION_LENGTH, NUM_GENERATIONS
+
+    for name, config in (("grpo", trl.GRPOConfig), ("rloo", trl.RLOOConfig)):
+        defaults = {f.name: f.default for f in dataclasses.fields(config)}
+        assert defaults["num_generations"] == NUM_GENERATIONS[name]
+        assert defaults["max_completion_length"] == MAX_COMPLETION_LENGTH
+
+
+def test_group_positions_match_the_shared_layout():
+    """The count behind the GRPO figures is what the layout builder lays out for a group."""
+    import torch
+
+    from trl_prefix_sharing.layout import shared_group_layout
+    from trl_prefix_sharing.stats import group_stats
+
+    for p, c, g in [(5, 7, 4), (1, 3, 2), (9, 1, 8)]:
+        prompt = list(range(10, 10 + p))
+        rows = [prompt + [100 + k] + [200 + 10 * k + i for i in range(c - 1)] for k in range(g)]
+        ids = torch.tensor(rows)
+        layout = shared_group_layout(ids, torch.ones_like(ids), p, pad_token_id=0)
+        stats = group_stats([p], c, g)
+        assert stats.stock_tokens == g * (p + c)
+        assert stats.shared_tokens == int((layout["document_ids"] >= 0).sum())
+
+
+# ------------------------------------------------------------------------------------------ user mistakes
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["--model_name_or_path", "/nonexistent"],
+            "cannot load a tokenizer from '/nonexistent': no such directory; pass --model_name_or_path",
+        ),
+        (
+            ["--model_name_or_path", "not-a-real/model-xyz"],
+            "cannot load a tokenizer for 'not-a-real/model-xyz': no such local directory, and the Hub model is not in "
+            "the local Hugging Face cache while offline mode is set",
+        ),
+        (
+            ["--model_name_or_path", "tok", "--dataset_name", "someone/no-such-dataset"],
+            "the Hub dataset is not in the local Hugging Face cache while offline mode is set",
+        ),
+        (
+            ["--model_name_or_path", "tok", "--max_length", "abc"],
+            "argument --max_length: expected an integer, got 'abc'",
+        ),
+    ],
+)
+def test_stats_console_script_errors_are_one_clean_line(workspace, args, message):
+    """As a user runs it (a subprocess, the Hub offline): exit status 2, one line on stderr, no traceback."""
+    if "--dataset_name" not in args:
+        args = [*args, "--dataset_name", "prefs.jsonl"]
+    assert message in _one_error_line(_stats(args, workspace))
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["--dataset_name", "./missing.jsonl"],
+            "cannot load the dataset './missing.jsonl': no such file or directory",
+        ),
+        (["--dataset_name", "empty.jsonl"], "the dataset file 'empty.jsonl' is empty"),
+        (["--dataset_name", "broken.jsonl"], "cannot read the dataset 'broken.jsonl' (JSON parse error"),
+        (
+            ["--dataset_name", "prefs_dir", "--dataset_train_split", "test"],
+            "has no split 'test' (its splits: 'train')",
+        ),
+        (["--dataset_name", "no_rejected.jsonl"], "needs 'chosen' and 'rejected'"),
+        (["--dataset_name", "prompts.jsonl"], "needs 'chosen' and 'rejected'"),
+        (["--dataset_name", "prompts.jsonl"], "pass --trainer grpo or rloo"),
+        (["--dataset_name", "no_prompt.jsonl", "--trainer", "grpo"], "needs a 'prompt' column"),
+        (["--dataset_name", "no_prompt.jsonl", "--trainer", "rloo"], "for preference data pass --trainer dpo"),
+        (["--dataset_name", "prefs.jsonl", "--model_name_or_path", "prefs.jsonl"], "it is a file, not a directory"),
+        (["--dataset_name", "prefs.jsonl", "--model_name_or_path", "."], "cannot load a tokenizer from the directory"),
+        (["--dataset_name", "chat_prompts.jsonl", "--trainer", "grpo", "--model_name_or_path", "no_template"], "chat"),
+        (["--dataset_name", "prefs.jsonl", "--trainer", "ppo"], "argument --trainer: invalid choice: 'ppo'"),
+        (["--dataset_name", "prefs.jsonl", "--max_examples", "0"], "argument --max_examples: must be at least 1"),
+        (["--dataset_name", "prefs.jsonl", "--num_generations", "4"], "--num_generations applies to --trainer grpo"),
+        (["--dataset_name", "prefs.jsonl", "--trainer", "grpo", "--num_generations", "1"], "must be at least 2"),
+        (["--dataset_name", "prefs.jsonl", "--trainer", "rloo", "--max_length", "64"], "--max_length applies to"),
+        (["--dataset_name", "prefs.jsonl", "--trainer", "grpo", "--completion_length", "600"], "is longer than"),
+        (["--dataset_name", "prefs.jsonl", "--trainer", "reward", "--truncation_mode", "keep_end"], "dpo only"),
+        (["--dataset_name", "prefs.jsonl", "--trainer", "reward", "--max_length", "3"], "no examples left"),
+        (["--model_name_or_path", "tok"], "the following arguments are required: --dataset_name"),
+    ],
+)
+def test_stats_user_mistakes_are_one_clean_line(workspace, tokenizer, capsys, monkeypatch, args, message):
+    """In-process (fast): exit status 2 and one line on stderr naming what, why and the way out."""
+    from trl_prefix_sharing.cli.stats import main
+
+    (workspace / "empty.jsonl").write_text("")
+    (workspace / "broken.jsonl").write_text('{"prompt": "w1", broken\n')
+    _write_jsonl(workspace / "no_prompt.jsonl", [{"chosen": "w1 w2", "rejected": "w1 w3"}])
+    _write_jsonl(workspace / "no_rejected.jsonl", [{"prompt": "w1", "chosen": "w2"}])
+    if not (workspace / "no_template").exists():
+        import copy
+
+        plain = copy.deepcopy(tokenizer)
+        plain.chat_template = None
+        plain.save_pretrained(workspace / "no_template")
+        (workspace / "no_template" / "chat_template.jinja").unlink(missing_ok=True)
+    monkeypatch.chdir(workspace)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no Hub probe for the Hub-id cases
+    if "--model_name_or_path" not in args:
+        args = [*args, "--model_name_or_path", "tok"]
+    code = main(args)
+    assert message in _one_error_line(capsys.readouterr().err, code)
