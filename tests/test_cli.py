@@ -10,6 +10,9 @@ import pytest
 import torch
 
 
+pytestmark = pytest.mark.long  # starts other processes: `bash scripts/test.sh --all`
+
+
 COMMON = [
     "--bf16",
     "false",

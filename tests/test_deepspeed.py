@@ -14,6 +14,9 @@ import torch
 from test_distributed import _failure, _free_port
 
 
+pytestmark = pytest.mark.long  # starts other processes: `bash scripts/test.sh --all`
+
+
 pytest.importorskip("deepspeed", reason="DeepSpeed is in the `test` extra (pip install -e '.[test]')")
 
 CONFIG = """compute_environment: LOCAL_MACHINE

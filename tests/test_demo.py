@@ -20,6 +20,9 @@ sys.path.insert(0, str(DEMO.parent))
 from demo import TakeTurns  # noqa: E402
 
 
+pytestmark = pytest.mark.long  # starts other processes: `bash scripts/test.sh --all`
+
+
 def test_demo_output(tmp_path):
     env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(

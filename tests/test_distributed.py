@@ -12,6 +12,9 @@ import pytest
 from equivalence import assert_same_eval_metrics
 
 
+pytestmark = pytest.mark.long  # starts other processes: `bash scripts/test.sh --all`
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -51,6 +51,7 @@ def dry_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.long
 def test_dry_run_writes_the_files_a_gpu_run_keeps(dry_run):
     names = sorted(os.listdir(dry_run))
     assert names == ["cuda_tests.log", "gpu.json", "gpu.md", "gpu_check.log", "gpu_speedup.svg", "gpu_tests.json"]
@@ -60,6 +61,7 @@ def test_dry_run_writes_the_files_a_gpu_run_keeps(dry_run):
     ET.parse(dry_run / "gpu_speedup.svg")  # well-formed
 
 
+@pytest.mark.long
 def test_dry_run_gpu_tests_json_has_the_schema_and_the_real_counts(dry_run):
     data = json.loads((dry_run / "gpu_tests.json").read_text())
     assert set(gpu_check.GPU_TESTS_KEYS) <= set(data)
@@ -73,6 +75,7 @@ def test_dry_run_gpu_tests_json_has_the_schema_and_the_real_counts(dry_run):
     assert "tests/test_cuda.py" in (dry_run / "cuda_tests.log").read_text()
 
 
+@pytest.mark.long
 def test_dry_run_gpu_json_has_cpu_json_schema_plus_versions_and_host_times(dry_run):
     data = json.loads((dry_run / "gpu.json").read_text())
     cpu = json.loads((ROOT / "docs/benchmarks/cpu.json").read_text())
@@ -109,6 +112,7 @@ def test_dry_run_gpu_json_has_cpu_json_schema_plus_versions_and_host_times(dry_r
         assert title in markdown
 
 
+@pytest.mark.long
 def test_merge_combines_parts_from_separate_runs(dry_run, tmp_path):
     full = json.loads((dry_run / "gpu.json").read_text())
     for index, model in enumerate(MODELS):  # as if each model had run in its own call
@@ -132,6 +136,7 @@ def test_merge_combines_parts_from_separate_runs(dry_run, tmp_path):
         gpu_check.main(["--merge", str(tmp_path / "part0"), str(tmp_path / "part1"), "--out", str(out)])
 
 
+@pytest.mark.long
 def test_merge_sums_test_runs_over_parts_of_the_file(dry_run, tmp_path):
     tests = json.loads((dry_run / "gpu_tests.json").read_text())
     first, second = copy.deepcopy(tests), copy.deepcopy(tests)
@@ -192,6 +197,7 @@ def test_long_row_step_records(record_property):
 """
 
 
+@pytest.mark.long
 def test_pytest_runner_counts_outcomes_runs_measurements_first_and_keeps_properties(tmp_path):
     (tmp_path / "test_sample.py").write_text(TESTS)
     log = tmp_path / "log.txt"
@@ -205,6 +211,7 @@ def test_pytest_runner_counts_outcomes_runs_measurements_first_and_keeps_propert
     assert text.index("test_long_row_step_records") < text.index("test_passes")  # measurements first
 
 
+@pytest.mark.long
 def test_pytest_runner_stops_at_its_time_limit_and_keeps_what_finished(tmp_path):
     (tmp_path / "test_slow.py").write_text(
         "import time\n\ndef test_quick():\n    pass\n\ndef test_slow():\n    time.sleep(120)\n"

@@ -9,6 +9,9 @@ from group_equivalence import UNCOMPARED
 from test_distributed import _torchrun
 
 
+pytestmark = pytest.mark.long  # starts other processes: `bash scripts/test.sh --all`
+
+
 def _launch(out, prefix_sharing):
     _torchrun("distributed_grpo.py", 2, "--out", out, "--prefix_sharing", prefix_sharing, timeout=300)
     return [json.loads((out / f"rank{r}-{prefix_sharing}.json").read_text()) for r in range(2)]

@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 
 
+pytestmark = pytest.mark.long  # starts other processes: `bash scripts/test.sh --all`
+
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 BLOCKS = [(m.group(1), m.group(2)) for m in re.finditer(r"```(python|bash)\n(.*?)```", README, flags=re.S)]
@@ -20,6 +23,7 @@ NOT_RUN_HERE = {
     "pip install -e .": "the suite runs in the installed package",
     "bash scripts/demo.sh": "tests/test_demo.py runs the demo script",
     "bash scripts/test.sh": "this is the test suite",
+    "bash scripts/test.sh --all": "this is the test suite",
 }
 #: the README calls its first DPO example `train.py` (the several-processes section launches it)
 SAVED_AS = {"train.py": "DPOTrainer("}

@@ -63,6 +63,7 @@ def _one_error_line(proc_or_err, returncode=None):
 # ------------------------------------------------------------------------------------------ preference data
 
 
+@pytest.mark.long
 def test_stats_reports_whether_it_pays(workspace):
     proc = _stats(
         ["--dataset_name", str(workspace / "prefs.jsonl"), "--model_name_or_path", str(workspace / "tok")], workspace
@@ -199,6 +200,7 @@ def test_group_positions_match_the_shared_layout():
 # ------------------------------------------------------------------------------------------ user mistakes
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(
     "args,message",
     [

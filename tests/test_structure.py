@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAINERS = ("DPOTrainer", "RewardTrainer", "GRPOTrainer", "RLOOTrainer", "OnlineDPOTrainer")
 
 
+@pytest.mark.long
 def test_import_loads_no_test_builders_demo_or_command_line():
     code = (
         "import sys, trl_prefix_sharing as t\n"
@@ -120,3 +121,14 @@ def test_no_trl_method_body_is_copied():
 
     source = inspect.getsource(group_sharing)
     assert "split_tensor_dict" not in source and "_generate_and_score_completions" not in source
+
+
+def test_ci_runs_every_tier_and_the_fast_tier_keeps_the_equivalence_matrix():
+    """`bash scripts/test.sh` leaves out the tests marked `long`; CI runs `--all`, so nothing is left out there; the
+    tests that guard the numbers (every `*_equivalence.py` and the architecture matrix) are never marked long."""
+    assert "bash scripts/test.sh --all" in (ROOT / ".ci" / "run").read_text()
+    assert '-m "not long"' in (ROOT / "scripts" / "test.sh").read_text()
+    guards = sorted((ROOT / "tests").glob("test_*equivalence.py")) + [ROOT / "tests" / "test_architectures.py"]
+    assert len(guards) >= 7
+    for path in guards:
+        assert "mark.long" not in path.read_text(), path.name

@@ -140,6 +140,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(
     "launch, processes, warned",
     [(["--num_processes", "2", "--cpu"], 1, True), (["--multi_gpu", "--num_processes", "2"], 2, False)],
@@ -185,6 +186,7 @@ def tiny_files(tmp_path_factory, tokenizer):
     return root
 
 
+@pytest.mark.long
 def test_the_shipped_recipe_runs_on_a_cpu_with_the_flag_its_first_line_names(tiny_files):
     """Every key of the recipe as shipped (sharing, packing, bf16, gradient checkpointing, ...), with the one flag its
     first line says a CPU needs; the Hub model and dataset replaced by local ones (no download here), the run cut to
@@ -207,6 +209,7 @@ def test_the_shipped_recipe_runs_on_a_cpu_with_the_flag_its_first_line_names(tin
         assert "use_cpu" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(
     "flags, message",
     [
