@@ -23,7 +23,6 @@ NOT_RUN_HERE = {
     "pip install -e .": "the suite runs in the installed package",
     "bash scripts/demo.sh": "tests/test_demo.py runs the demo script",
     "bash scripts/test.sh": "this is the test suite",
-    "bash scripts/test.sh --all": "this is the test suite",
 }
 #: the README calls its first DPO example `train.py` (the several-processes section launches it)
 SAVED_AS = {"train.py": "DPOTrainer("}
