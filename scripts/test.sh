@@ -7,10 +7,10 @@
 # Further arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-select=(-m "not long")
+tier=(-m "not long")
 if [[ "${1:-}" == "--all" ]]; then
-    select=()
+    tier=()
     shift
 fi
 bash scripts/setup_env.sh
-.venv/bin/python -m pytest -q ${select[@]+"${select[@]}"} "$@"
+.venv/bin/python -m pytest -q ${tier[@]+"${tier[@]}"} "$@"
