@@ -61,6 +61,9 @@ def test_the_readme_has_its_blocks():
     shell = [line for kind, code in BLOCKS if kind == "bash" for line in code.splitlines() if line.strip()]
     skipped = {line.split("#")[0].strip() for line in shell} & set(NOT_RUN_HERE)
     assert skipped == set(NOT_RUN_HERE)  # each line this file does not run is in the README, said why above
+    launched = next(code for kind, code in BLOCKS if kind == "python" and SAVED_AS["train.py"] in code)
+    # launched on two processes below: it ends as TRL's scripts do, destroying the process group before Python exits
+    assert launched.rstrip().splitlines()[-1].startswith("trainer.end()")
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[f"block{i}-{kind}" for i, (kind, _) in enumerate(BLOCKS)])

@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 import trl
 from equivalence import CPU_RUN, awkward_text_dataset, make_reward_model
 from group_equivalence import prompt_dataset, reward_length
@@ -113,6 +114,28 @@ def test_every_config_is_checked():
         )
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_end_frees_the_distributed_wrapper_before_the_process_group_ends(kind, tmp_path, tokenizer, monkeypatch):
+    """`trainer.end()` (TRL's scripts call it last): the wrapper that holds the process group (DDP's reducer) is gone
+    before transformers' `end` destroys the group, on every trainer of this package."""
+    import transformers
+
+    name = KINDS[kind][2]
+    ours = (getattr(trl_prefix_sharing, f"{name}Trainer"), getattr(trl_prefix_sharing, f"{name}Config"))
+    trainer = build(kind, *ours, tmp_path, tokenizer, prefix_sharing=True)
+    wrapper = torch.nn.Sequential(trainer.model)  # stands for the DDP wrapper `accelerator.prepare` returns
+    trainer.model_wrapped = wrapper
+    trainer.accelerator._models.append(wrapper)
+    seen = []
+    monkeypatch.setattr(
+        transformers.Trainer,
+        "end",
+        lambda self: seen.append((self.model_wrapped is self.model, list(self.accelerator._models))),
+    )
+    trainer.end()
+    assert seen == [(True, [])]
+
+
 def test_processes_asked():
     assert processes_asked(["accelerate", "launch", "--num_processes", "2", "--cpu", "s.py"]) == 2
     assert processes_asked(["x", "--num-processes=4", "s.py"]) == 4
@@ -136,6 +159,7 @@ SCRIPT = textwrap.dedent(
         processing_class=tokenizer,
     )
     print("WORLD", trainer.accelerator.num_processes)
+    trainer.end()
     """
 )
 

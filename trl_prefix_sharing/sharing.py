@@ -28,7 +28,7 @@ from .architectures import VISION, check_supported_model, refusal, refused_reaso
 from .attention import AttentionSwitch, build_attention_mask, choose_attn_implementation, shared_row_multiple
 from .collator import PrefixSharingCollator
 from .config import warn_if_not_our_config
-from .distributed import warn_if_fewer_processes_than_asked
+from .distributed import release_distributed_wrappers, warn_if_fewer_processes_than_asked
 from .forward import (
     _is_sequence_classifier,
     install_prefix_sharing_forward,
@@ -488,3 +488,10 @@ class PrefixSharingMixin:
             self.data_collator = self.data_collator.base_collator
         self._prefix_sharing = False
         self._packing = False
+
+    def end(self) -> None:
+        """Finish the trackers and destroy the process group, as transformers' `Trainer.end()` (TRL's scripts call it
+        last, after training, evaluation and saving). The distributed model wrapper is freed first, while every rank
+        still holds the group: freed after the group was gone, its teardown could block forever on CPUs."""
+        release_distributed_wrappers(self)
+        super().end()

@@ -88,6 +88,9 @@ INTERNALS: dict[str, tuple[Internal, ...]] = {
         Internal("trl.trainer.utils", "FusedCausalLMOutput", "call"),
         # accelerate's mark of a model whose forward `prepare_model` wrapped in mixed precision (`forward.py`)
         Internal("accelerate.accelerator:Accelerator", "_original_forward", "read", attribute=True, holder="model"),
+        # `PrefixSharingMixin.end` frees the distributed wrapper before transformers destroys the process group
+        Internal(_TRAINER, "end", "override", ("self",)),
+        Internal(_TRAINER, "model_wrapped", "write", attribute=True),
     ),
     "dpo": (
         Internal(_DPO, "_precompute_ref_logps", "override", ("self", "dataset", "name", "batch_size")),

@@ -181,33 +181,14 @@ def build_trainer(command: str, script_args, training_args, model_args, dataset_
 
 
 def train(trainer, script_args, training_args) -> None:
-    """Train, save and release, as TRL's scripts do."""
-    import transformers
-    from packaging.version import Version
-
+    """Train, save and release, as TRL's scripts do (`trainer.end()` last: see `PrefixSharingMixin.end`)."""
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.accelerator.print("Training completed.")
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
-    if Version(transformers.__version__) >= Version("5.18.0"):
-        release_distributed_wrappers(trainer)
-        trainer.end()
-
-
-def release_distributed_wrappers(trainer) -> None:
-    """Free the DDP wrapper while every rank still holds the process group.
-
-    Otherwise its gradient reducer, which holds the group, is freed only after `trainer.end()` destroyed it, when the
-    script returns; on CPU (gloo) that teardown sometimes blocks forever (about 1 run in 6 here, stock `trl dpo`
-    alike), after training and saving are done."""
-    import gc
-
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.free_memory()  # drops accelerate's references to the prepared (wrapped) models
-    trainer.model_wrapped = trainer.model
-    gc.collect()
+    trainer.end()
 
 
 def run_script(command: str) -> None:
