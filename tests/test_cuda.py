@@ -21,6 +21,7 @@ import torch
 from compile_watch import CompileWatch, compile_schedule
 from equivalence import (
     assert_same_reward_step,
+    assert_same_step,
     awkward_text_dataset,
     compare_step,
     make_reward_trainers,
@@ -167,6 +168,104 @@ def test_ranked_reward_step_matches_stock_on_expanded_pairs(tmp_path, tokenizer,
     ours_result = reward_step(ours, list(ours.train_dataset), pairs_in_window=len(pairs) if packing else None)
     _check_flex(ours, ours_result["batch"])
     assert_same_reward_step(stock_result, ours_result, compare_rewards=False, **FP32)
+
+
+# ------------------------------------------------------------------------------------------ the trie, KTO, ORPO, CPO
+def _assert_flex_ran(trainer, watch):
+    """FlexAttention chosen and run compiled (at least one variant), never eagerly, checkpointing on: for trainers
+    whose batch holds no layout."""
+    assert trainer.sharing.attn_implementation == "flex_attention"
+    assert is_checkpointing(trainer.model)
+    report = watch.report()
+    assert report["flex_attention"] >= 1 and report["create_block_mask"] >= 1, report
+    assert report["eager_flex_warnings"] == 0, report
+
+
+@pytest.mark.parametrize(
+    "data,packing",
+    [("all_pairs", False), ("multi_turn", True), ("duplicates", False)],
+    ids=["all_pairs-sharing", "multi_turn-sharing+packing", "duplicates-sharing"],
+)
+def test_dpo_trie_matches_stock(tmp_path, tokenizer, data, packing):
+    """The prefix trie: several pairs of one prompt, a pair at every turn of a conversation, duplicate prompts, merged
+    into one tree per micro-batch (packed into one row with packing), equal to stock with fewer positions."""
+    from test_trie_sharing import DATASETS, positions
+
+    stock, shared = checkpoint_as_train_does(
+        *make_trainers(
+            tmp_path, "llama", DATASETS[data](), tokenizer, config_kwargs=CUDA_SIZES, ours=_ours(packing), **ON_GPU
+        )
+    )
+    examples = list(stock.train_dataset)
+    expected, got = step(stock, examples), step(shared, examples)
+    assert_same_step(expected, got, **FP32)
+    _check_flex(shared, got["batch"])
+    assert positions(got["batch"]) < int(expected["batch"]["attention_mask"].sum())
+
+
+def test_reward_trie_matches_stock(tmp_path, tokenizer):
+    from test_trie_sharing import all_pairs_dataset
+
+    stock, shared = checkpoint_as_train_does(
+        *make_reward_trainers(
+            tmp_path, "qwen3", all_pairs_dataset(), tokenizer, config_kwargs=CUDA_SIZES, ours=_ours(False), **ON_GPU
+        )
+    )
+    examples = list(stock.train_dataset)
+    expected, got = reward_step(stock, examples), reward_step(shared, examples)
+    _check_flex(shared, got["batch"])
+    assert_same_reward_step(expected, got, compare_rewards=True, **FP32)
+
+
+@pytest.mark.parametrize(
+    "family,merge", [("llama", True), ("qwen3", False)], ids=["llama-kl-merged", "qwen3-kl-apart"]
+)
+def test_kto_step_matches_stock(tmp_path, tokenizer, monkeypatch, family, merge):
+    from test_kto_equivalence import assert_same_step as assert_same_kto_step
+    from test_kto_equivalence import kto_step, unpaired_dataset
+    from test_kto_equivalence import make_trainers as make_kto_trainers
+
+    stock, shared = checkpoint_as_train_does(
+        *make_kto_trainers(
+            tmp_path,
+            tokenizer,
+            unpaired_dataset(),
+            family=family,
+            ours={"prefix_sharing_merge_kl": merge},
+            config_kwargs=CUDA_SIZES,
+            **ON_GPU,
+        )
+    )
+    for start in (0, 4):  # the first two batches, each with desirable and undesirable rows and their KL rows
+        examples = [shared.train_dataset[i] for i in range(start, start + 4)]
+        expected = kto_step(stock, examples)
+        with CompileWatch(monkeypatch) as watch:
+            got = kto_step(shared, examples)
+            _assert_flex_ran(shared, watch)
+        assert_same_kto_step(expected, got, **FP32)
+
+
+@pytest.mark.parametrize(
+    "family,setting",
+    [("llama", "orpo-beta0.1"), ("qwen3", "cpo-sigmoid"), ("mistral", "simpo"), ("qwen2", "cpo-simpo")],
+)
+def test_orpo_cpo_step_matches_stock(tmp_path, tokenizer, monkeypatch, family, setting):
+    from test_orpo_cpo_equivalence import SETTINGS, assert_same_batch, loss_and_grads
+    from test_orpo_cpo_equivalence import make_trainers as make_orpo_cpo_trainers
+
+    kind, options = SETTINGS[setting]
+    dataset = awkward_text_dataset()
+    stock, shared = checkpoint_as_train_does(
+        *make_orpo_cpo_trainers(
+            tmp_path, kind, tokenizer, dataset, family=family, config_kwargs=CUDA_SIZES, **options, **ON_GPU
+        )
+    )
+    examples = [shared.train_dataset[i] for i in range(len(dataset))]
+    expected = loss_and_grads(stock, examples)
+    with CompileWatch(monkeypatch) as watch:
+        got = loss_and_grads(shared, examples)
+        _assert_flex_ran(shared, watch)
+    assert_same_batch(expected, got, **FP32)
 
 
 # ------------------------------------------------------------------------------------------------- bf16, sliding, LoRA
