@@ -1033,9 +1033,11 @@ def merge(directories, out, command) -> None:
                 merged["not_run"] += part.get("not_run", [])
                 for key in ("models", "settings"):
                     merged[key].update(part[key])
-                for key in ("results", "grpo"):
-                    for name, value in part[key].items():
-                        merged[key].setdefault(name, {}).update(value)
+                for name, kinds in part["results"].items():  # model -> kind -> profile
+                    for kind, profiles in kinds.items():
+                        merged["results"].setdefault(name, {}).setdefault(kind, {}).update(profiles)
+                for name, profiles in part["grpo"].items():
+                    merged["grpo"].setdefault(name, {}).update(profiles)
         path = os.path.join(directory, "gpu_tests.json")
         if os.path.exists(path):
             with open(path) as f:
@@ -1044,6 +1046,13 @@ def merge(directories, out, command) -> None:
         raise SystemExit(f"No gpu.json or gpu_tests.json in {directories}.")
     os.makedirs(out, exist_ok=True)
     if merged is not None:
+        measured = {
+            f"{name} {kind} {profile}"
+            for name, kinds in merged["results"].items()
+            for kind, profiles in kinds.items()
+            for profile in profiles
+        } | {f"{name} grpo {profile}" for name, profiles in merged["grpo"].items() for profile in profiles}
+        merged["not_run"] = sorted({label for label in merged["not_run"] if label not in measured})
         merged["command"] = " && ".join(merged["commands"])
         merged["merged_by"] = command
         write_bench(merged, out)

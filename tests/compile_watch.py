@@ -126,3 +126,13 @@ def compile_schedule(train_size: int, eval_size: int, batch_size: int, steps: in
                 ("eval", list(range(i, min(i + batch_size, eval_size)))) for i in range(0, eval_size, batch_size)
             )
     return schedule
+
+
+def cuda_schedule_data():
+    """(train, evaluation) pairs of tests/test_cuda.py's compile test: documents of 3 to about 160 tokens, so that with
+    rows rounded to FlexAttention's 128-token blocks the batches take two widths (128 and 256) and 4, 2 and 1 rows
+    (tests/test_compile.py checks this on CPU). Longer documents put every batch in the 256 bucket: the first GPU run
+    then compiled one width only."""
+    from trl_prefix_sharing.testing import synthetic_pairs
+
+    return synthetic_pairs(46, (1, 100), (1, 30), seed=5), synthetic_pairs(9, (1, 100), (1, 30), seed=6)

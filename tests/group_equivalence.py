@@ -103,3 +103,16 @@ def assert_same_runs(stock, shared, keys=None, atol=1e-5, rtol=1e-4):
     for name, value in stock_params.items():
         assert value.numel() > 0
         torch.testing.assert_close(shared_params[name], value, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def spy_generation_attention(monkeypatch, model_class) -> list[str]:
+    """The attention implementation each `generate` call of `model_class` ran on, in call order (filled as it runs)."""
+    seen = []
+    original = model_class.generate
+
+    def generate(self, *args, **kwargs):
+        seen.append(self.config._attn_implementation)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(model_class, "generate", generate)
+    return seen

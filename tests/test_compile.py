@@ -7,7 +7,7 @@ never runs uncompiled. (CPU has FlexAttention's forward, not its backward: tests
 import functools
 
 import torch
-from compile_watch import CompileWatch, compile_schedule
+from compile_watch import CompileWatch, compile_schedule, cuda_schedule_data
 from equivalence import assert_same_number, make_trainers
 
 from trl_prefix_sharing import attention, mask
@@ -106,3 +106,18 @@ def test_full_and_sliding_layers_share_one_compiled_variant(tmp_path, tokenizer,
                 assert isinstance(masks, dict) and set(masks) == {"full_attention", "sliding_attention"}
         report = watch.assert_compiled_and_bounded(1)
     print("full and sliding layers:", report)
+
+
+def test_the_cuda_compile_schedule_crosses_two_width_buckets(tmp_path, tokenizer, monkeypatch):
+    """tests/test_cuda.py's compile test measures the variants a dynamic width needs only if its batches, rounded to
+    FlexAttention's blocks as on CUDA, take more than one width (its first GPU run had one): checked here on the
+    collator alone, without a forward."""
+    as_on_cuda(monkeypatch)
+    train, evaluation = cuda_schedule_data()
+    _, shared = make_trainers(tmp_path, "llama", train, tokenizer, eval_dataset=evaluation)
+    assert shared.data_collator.pad_to_multiple_of == 128
+    data = {"train": shared.train_dataset, "eval": shared.eval_dataset}
+    shapes = set()
+    for mode, indices in compile_schedule(len(train), len(evaluation), batch_size=4, steps=30, eval_every=10):
+        shapes.add(tuple(shared.data_collator([data[mode][i] for i in indices])["prefix_sharing"]["input_ids"].shape))
+    assert {width for _, width in shapes} == {128, 256} and {rows for rows, _ in shapes} == {1, 2, 4}, shapes

@@ -18,7 +18,7 @@ dimension of the query, key, and value must be at least 16"), and the tiny model
 
 import pytest
 import torch
-from compile_watch import CompileWatch, compile_schedule
+from compile_watch import CompileWatch, compile_schedule, cuda_schedule_data
 from equivalence import (
     assert_same_reward_step,
     assert_same_step,
@@ -366,21 +366,21 @@ def test_reward_lora_matches_stock(tmp_path, tokenizer):
 
 
 # ------------------------------------------------------------------------------------------------- compilation
-#: compiled variants each function may need over the schedule: ESTIMATES from the CPU runs (docs/benchmarks/
-#: gpu_tests.md), to be replaced by the counts `scripts/gpu_check.py --part tests` measures on a GPU (it records
-#: them in `gpu_tests.json`, under "recompiles"). `create_block_mask` runs without autograd: the first shape, then the
-#: width (past the first 128-token bucket) and the row count (a shorter last batch) made dynamic, and the one-row batch
-#: (dynamo specialises sizes 0 and 1): 4. FlexAttention compiles that per grad mode (policy passes with gradients;
-#: reference and evaluation passes without), except the one-row batch (evaluation only): 7. dynamo's own limit, past
-#: which FlexAttention would run eagerly, is 8: close, which is why this is measured.
+#: compiled variants each function may need over the schedule. Measured on an H200 (torch 2.11, docs/benchmarks/
+#: gpu_tests.json, "recompiles"), on a schedule whose batches all took one width: `create_block_mask` (no autograd)
+#: 3 = the first shape, the one-row batch (dynamo specialises sizes 0 and 1), the row count made dynamic;
+#: `flex_attention` 5 = the same per grad mode (policy passes with gradients; reference and evaluation passes
+#: without), the one-row batch in one mode only. The schedule now crosses two 128-token width buckets
+#: (`cuda_schedule_data`), which makes the width dynamic too: one more variant of `create_block_mask` and one per grad
+#: mode of `flex_attention`, 4 and 7, the bounds, until a GPU run measures that schedule. dynamo's own limit, past
+#: which FlexAttention would run eagerly, is 8.
 MAX_VARIANTS = {"create_block_mask": 4, "flex_attention": 7}
 
 
 def test_compiles_a_bounded_number_of_times_over_training_and_evaluation(
     tmp_path, tokenizer, monkeypatch, record_property
 ):
-    # documents of 5 to about 250 tokens: widths vary per batch and cross the first 128-token bucket
-    train, evaluation = synthetic_pairs(46, (1, 150), (1, 50), seed=5), synthetic_pairs(9, (1, 150), (1, 50), seed=6)
+    train, evaluation = cuda_schedule_data()  # two 128-token width buckets; 4, 2 and 1 rows
     stock, shared = checkpoint_as_train_does(
         *make_trainers(
             tmp_path, "llama", train, tokenizer, eval_dataset=evaluation, config_kwargs=CUDA_SIZES, **ON_GPU

@@ -9,6 +9,7 @@ from group_equivalence import (
     make_group_trainer,
     prompt_dataset,
     save_model,
+    spy_generation_attention,
     train,
 )
 
@@ -188,6 +189,33 @@ def test_lora_matches_stock(tmp_path, tokenizer, model_dirs):
         "grpo", tmp_path, model_dirs["llama"], tokenizer, peft_config=lora, beta=0.1, learning_rate=1e-2
     )
     assert_same_runs(stock, shared)
+
+
+def test_generation_runs_on_the_models_own_attention(tmp_path, tokenizer, model_dirs, monkeypatch):
+    """A model loaded with eager attention: the shared passes run on SDPA (the shared mask's implementation on CPU),
+    generation on eager as in stock TRL (sampling follows the logits' last bits: on CUDA under bf16, generating through
+    FlexAttention drew other completions than stock); the model is as given once sharing is removed."""
+    from transformers import LlamaForCausalLM
+
+    seen = spy_generation_attention(monkeypatch, LlamaForCausalLM)
+    runs = []
+    for ours in (False, True):
+        trainer = make_group_trainer(
+            "grpo",
+            ours,
+            model_dirs["llama"],
+            prompt_dataset(),
+            tokenizer,
+            tmp_path,
+            model_init_kwargs={"attn_implementation": "eager"},
+        )
+        seen.clear()
+        runs.append(train(trainer))
+        assert len(seen) == 2 and set(seen) == {"eager"}, seen  # one generation per step
+    assert trainer.sharing.attn_implementation == "sdpa" and trainer.model.config._attn_implementation == "sdpa"
+    assert_same_runs(*runs)
+    trainer.remove_prefix_sharing()
+    assert trainer.model.config._attn_implementation == "eager" and "generate" not in trainer.model.__dict__
 
 
 ACCUMULATION = dict(gradient_accumulation_steps=2, steps_per_generation=2, per_device_train_batch_size=4, max_steps=2)

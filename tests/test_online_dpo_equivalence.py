@@ -7,7 +7,14 @@ import copy
 import pytest
 import torch
 from equivalence import CPU_RUN, leaky_dpo_mask
-from group_equivalence import UNCOMPARED, prompt_dataset, reward_digits, reward_length
+from group_equivalence import (
+    UNCOMPARED,
+    assert_same_runs,
+    prompt_dataset,
+    reward_digits,
+    reward_length,
+    spy_generation_attention,
+)
 from test_grpo_equivalence import crafted_batch
 from trl.experimental.online_dpo import OnlineDPOConfig as StockConfig
 from trl.experimental.online_dpo import OnlineDPOTrainer as StockTrainer
@@ -134,3 +141,21 @@ def test_remove_prefix_sharing_restores_the_models(tmp_path, tokenizer):
     assert "forward" in shared.model.__dict__
     shared.remove_prefix_sharing()
     assert "forward" not in shared.model.__dict__ and "forward" not in shared.ref_model.__dict__
+
+
+def test_generation_runs_on_the_models_own_attention(tmp_path, tokenizer, monkeypatch):
+    """Policy and reference loaded with eager attention: the shared passes run on SDPA, generation on eager as in
+    stock TRL, and the runs are equal (see the GRPO test of the same name)."""
+    from transformers import Qwen3ForCausalLM
+
+    seen = spy_generation_attention(monkeypatch, Qwen3ForCausalLM)
+    stock, shared = make_trainers(tmp_path, "qwen3", tokenizer, config_kwargs={"attn_implementation": "eager"})
+    runs = []
+    for trainer in (stock, shared):
+        seen.clear()
+        runs.append(train(trainer))
+        assert len(seen) == 2 and set(seen) == {"eager"}, seen
+    assert shared.sharing.attn_implementation == "sdpa" and shared.model.config._attn_implementation == "sdpa"
+    assert_same_runs(*runs)
+    shared.remove_prefix_sharing()
+    assert shared.model.config._attn_implementation == "eager" and "generate" not in shared.model.__dict__

@@ -19,6 +19,8 @@ implementation is recorded and undone by :meth:`AttentionSwitch.restore`; it tou
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers.utils import logging
 
@@ -155,8 +157,19 @@ def shared_row_multiple(attn_implementation: str, pad_to_multiple_of: int | None
     return FLEX_ROW_MULTIPLE if attn_implementation == "flex_attention" else None
 
 
+#: where `AttentionSwitch` keeps a model's own `generate` (an instance attribute, or None for the class's) while its
+#: generation wrapper is installed
+_OWN_GENERATE = "_prefix_sharing_own_generate"
+
+
 class AttentionSwitch:
-    """Set the attention implementation of given models, remembering the old one so it can be put back."""
+    """Set the attention implementation of given models, remembering the old one so it can be put back.
+
+    Generation runs on the model's own implementation, as in stock TRL: `generate` (GRPO, RLOO and online DPO sample
+    with it) switches back for the call. Sampling follows the logits' last bits, so generating through the shared
+    mask's implementation (FlexAttention under bf16 on CUDA) would draw other completions than stock TRL from the same
+    seed; it would also compile FlexAttention for every decoding length.
+    """
 
     def __init__(self):
         self._saved: list[tuple[object, object]] = []
@@ -168,12 +181,38 @@ class AttentionSwitch:
         self._saved.append((model, current))
         if current != attn_implementation:
             model.set_attn_implementation(attn_implementation)
+            if current is not None and callable(getattr(model, "generate", None)):
+                _generate_with(model, current)
 
     def restore(self) -> None:
         for model, old in reversed(self._saved):
+            if _OWN_GENERATE in model.__dict__:
+                own = model.__dict__.pop(_OWN_GENERATE)
+                if own is None:
+                    del model.__dict__["generate"]
+                else:
+                    model.generate = own
             if old is not None and model.config._attn_implementation != old:
                 model.set_attn_implementation(old)
         self._saved.clear()
+
+
+def _generate_with(model, attn_implementation: str) -> None:
+    """Wrap this model instance's `generate` to run on `attn_implementation`, switching back afterwards."""
+    own = model.__dict__.get("generate")
+    generate = model.generate
+
+    @functools.wraps(generate)
+    def generate_as_stock(*args, **kwargs):
+        shared = model.config._attn_implementation
+        model.set_attn_implementation(attn_implementation)
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            model.set_attn_implementation(shared)
+
+    model.__dict__[_OWN_GENERATE] = own
+    model.generate = generate_as_stock
 
 
 @torch.no_grad()
