@@ -36,6 +36,8 @@ PROFILES = {
     "UltraFeedback": (121, 288),
 }
 VARIANTS = ["stock", "sharing", "packing", "sharing+packing"]
+#: sharing with SDPA's dense mask instead of FlexAttention (the CUDA default): the kernel choice, measured
+SDPA_VARIANT = "sharing-sdpa"
 
 
 def synthetic_dataset(profile, n, scale, seed, sigma=0.5):
@@ -157,6 +159,8 @@ def make_trainer(kind, variant, model, tokenizer, dataset, args, tmp):
         dataloader_drop_last=False,
     )
     ours = {"prefix_sharing": "sharing" in variant, "packing": "packing" in variant}
+    if variant == SDPA_VARIANT:
+        ours["prefix_sharing_attn_implementation"] = "sdpa"
     if kind == "dpo":
         if variant == "stock":
             trainer = trl.DPOTrainer(

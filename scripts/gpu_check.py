@@ -549,7 +549,8 @@ def bench_variant(kind, variant, model, tokenizer, dataset, settings, clock, tmp
             clock.on = False
         if cuda:
             peak = torch.cuda.max_memory_allocated()
-    times = trainer.timer.epochs[1:]
+        profile = profile_epoch(trainer, cuda, steps) if settings.profile else None
+    times = trainer.timer.epochs[1 : 1 + settings.repeats]
     n, timed_steps = len(trainer.train_dataset), steps * settings.repeats
     median = sorted(times)[len(times) // 2]
     mask_gpu = clock.mask_gpu_s()
@@ -571,6 +572,7 @@ def bench_variant(kind, variant, model, tokenizer, dataset, settings, clock, tmp
         "warmup_s": round(warmup_s, 2),
         "attn_implementation": trainer.sharing.attn_implementation if getattr(trainer, "sharing", None) else "sdpa",
         "compiled_variants": compiled_variants(),
+        "profile": profile,
         **monitor,
     }
     del trainer
@@ -578,6 +580,35 @@ def bench_variant(kind, variant, model, tokenizer, dataset, settings, clock, tmp
     if cuda:
         torch.cuda.empty_cache()
     return result
+
+
+def profile_epoch(trainer, cuda, steps, top=8) -> dict:
+    """One more epoch under torch's profiler: where a step's time goes. `gpu_busy_ms_per_step` is the kernels' time
+    (their sum; overlapping streams count twice); a step much longer than that waits on the host (launches, compiled
+    functions' guards, Python). The top operators by their own GPU and CPU time, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as profiler:
+        epoch(trainer, cuda)
+    wall = time.perf_counter() - start
+    events = profiler.key_averages()
+
+    def device_us(event):
+        return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0) or 0
+
+    def ranked(key):
+        chosen = sorted(events, key=key, reverse=True)[:top]
+        return [[event.key[:80], round(key(event) / 1000 / steps, 3)] for event in chosen if key(event) > 0]
+
+    return {
+        "wall_ms_per_step": round(1000 * wall / steps, 2),
+        "gpu_busy_ms_per_step": round(sum(device_us(e) for e in events) / 1000 / steps, 2) if cuda else None,
+        "cpu_ops_ms_per_step": round(sum(e.self_cpu_time_total for e in events) / 1000 / steps, 2),
+        "top_gpu_ops_ms_per_step": ranked(device_us) if cuda else [],
+        "top_cpu_ops_ms_per_step": ranked(lambda e: e.self_cpu_time_total),
+    }
 
 
 def epoch(trainer, cuda):
@@ -718,9 +749,10 @@ class Budget:
 
 def run_bench_part(args, env, command, deadline, models) -> dict:
     import torch
-    from benchmark import PROFILES, VARIANTS, quiet_setup, synthetic_dataset
+    from benchmark import PROFILES, SDPA_VARIANT, VARIANTS, quiet_setup, synthetic_dataset
 
     cuda = not args.dry_run
+    variants = VARIANTS + ([] if args.skip_sdpa else [SDPA_VARIANT])
     _, tokenizer = quiet_setup(cuda)
     if cuda:  # many trainers in one process share the compiled FlexAttention; a user's run has one trainer
         config = torch._dynamo.config
@@ -751,7 +783,7 @@ def run_bench_part(args, env, command, deadline, models) -> dict:
     def preference_profile(name, kind, model, profile, settings):
         dataset = synthetic_dataset(profile, settings.pairs, settings.length_scale, seed=0)
         by_variant = {}
-        for variant in VARIANTS:
+        for variant in variants:
             r = by_variant[variant] = bench_variant(kind, variant, model, tokenizer, dataset, settings, clock, tmp)
             log(
                 f"bench {name} {kind} {profile} {variant}: {r['pairs_per_s']:.2f} pairs/s, step {r['step_ms']:.1f} "
@@ -790,7 +822,9 @@ def run_bench_part(args, env, command, deadline, models) -> dict:
                     if value
                 }
             )
-            settings = SimpleNamespace(mode="gpu" if cuda else "cpu", gradient_checkpointing=True, **sizes)
+            settings = SimpleNamespace(
+                mode="gpu" if cuda else "cpu", gradient_checkpointing=True, profile=not args.skip_profile, **sizes
+            )
             data["settings"][name] = {
                 **sizes,
                 "dtype": "bfloat16" if cuda else "float32",
@@ -833,6 +867,9 @@ def summarise(data) -> dict:
                     "paper": list(targets[profile]),
                     "target_met": speed["sharing"] >= targets[profile][0]
                     and speed["sharing+packing"] >= targets[profile][1],
+                    "faster_sharing_kernel": None
+                    if "sharing-sdpa" not in v
+                    else ("sdpa" if v["sharing-sdpa"]["pairs_per_s"] > v["sharing"]["pairs_per_s"] else "flex"),
                     "memory_below_stock": None
                     if memory["stock"] is None
                     else all(memory[variant] < memory["stock"] for variant in ("sharing", "sharing+packing")),
@@ -941,9 +978,48 @@ def render_md(data) -> str:
                 f" {_fmt(r['mask_gpu_ms_per_step'], '.2f')} |"
             )
         lines.append("")
+    lines += render_step_md(data)
     if data.get("not_run"):
         lines += ["Not run (time limit): " + ", ".join(data["not_run"]) + ".", ""]
     return "\n".join(lines)
+
+
+def render_step_md(data) -> list[str]:
+    """Where a step goes, per profile: the step time beside the GPU's busy time (a profiled epoch), for stock,
+    sharing with FlexAttention and sharing with SDPA's dense mask; and which sharing kernel was faster."""
+    shown = ("stock", "sharing", "sharing-sdpa")
+    lines = []
+    for name, kinds in data["results"].items():
+        rows = []
+        for kind, profiles in kinds.items():
+            for profile, v in profiles.items():
+                if not any((v.get(x) or {}).get("profile") for x in shown):
+                    continue
+                speed = data["summary"][name][kind][profile]["speedup"]
+
+                def cell(x, v=v):
+                    prof = (v.get(x) or {}).get("profile")
+                    return "-" if not prof else f"{v[x]['step_ms']:.1f} / {_fmt(prof['gpu_busy_ms_per_step'], '.1f')}"
+
+                rows.append(
+                    f"| {kind} | {profile} | {speed['sharing']:.2f}x | {_fmt(speed.get('sharing-sdpa'), '.2f')}"
+                    f"{'x' if 'sharing-sdpa' in speed else ''} | " + " | ".join(cell(x) for x in shown) + " |"
+                )
+        if rows:
+            lines += [
+                f"## {name}: where the step goes",
+                "",
+                "Step = wall time per step (timed epochs); GPU busy = the kernels' time per step in one more, "
+                "profiled epoch (`gpu.json` lists the top operators). A step much longer than its GPU time waits on "
+                "the host.",
+                "",
+                "| kind | profile | sharing, FlexAttention | sharing, SDPA | stock: step / GPU busy ms | sharing, "
+                "FlexAttention: step / GPU busy ms | sharing, SDPA: step / GPU busy ms |",
+                "|---|---|---|---|---|---|---|",
+                *rows,
+                "",
+            ]
+    return lines
 
 
 def render_svg(data) -> str:
@@ -1115,6 +1191,16 @@ def main(argv=None):
         "--profiles", default=None, help=f"DPO/reward profiles (default: the paper's six; dry run: {DRY_PROFILES})"
     )
     parser.add_argument("--kinds", default="dpo,reward,grpo")
+    parser.add_argument(
+        "--skip-sdpa",
+        action="store_true",
+        help="leave out the variant that shares with SDPA's dense mask instead of FlexAttention (the kernel choice)",
+    )
+    parser.add_argument(
+        "--skip-profile",
+        action="store_true",
+        help="leave out the profiled epoch per variant (GPU busy time per step and the top operators)",
+    )
     parser.add_argument(
         "--tests-k",
         default=None,

@@ -82,10 +82,18 @@ def _dpo(tmp_path, tokenizer, family, variant):
     )
 
 
+#: gradient tolerances where float32 round-off measured above the default 1e-5: Gemma 4 scales its (tied) embeddings
+#: by sqrt(hidden size), which scales the round-off of their gradient too. Measured on one 2-core Xeon (AVX-512):
+#: 4 of 11,200 elements of `embed_tokens`' gradient (largest magnitude 1.59) differ by up to 1.5e-5 from stock's,
+#: every other gradient within 1e-5 (an earlier CI machine passed at 1e-5: the round-off follows the CPU's kernels);
+#: reordering stock's batch moves it by 5e-8. Log-probs, losses and metrics keep 1e-5.
+GRAD_TOLERANCES = {"gemma4_unified_text": {"atol": 5e-5, "rtol": 1e-5}}
+
+
 @pytest.mark.parametrize("family,variant", DPO_CASES)
 def test_family_dpo_step_matches_stock(tmp_path, tokenizer, family, variant):
     stock, shared = _dpo(tmp_path, tokenizer, family, variant)
-    stock_result, result = compare_step(stock, shared)
+    stock_result, result = compare_step(stock, shared, grad_tolerances=GRAD_TOLERANCES.get(family))
     layout = result["batch"]["prefix_sharing"]
     assert (layout["document_ids"] >= 0).sum() < result["batch"]["attention_mask"].sum()  # something was shared
     if variant == "router_aux_loss":

@@ -1,7 +1,7 @@
 """CUDA only (skipped elsewhere): the path CUDA users take, `prefix_sharing_attn_implementation="auto"` = compiled
 `create_block_mask` + transformers' compiled `flex_attention`, trains to stock TRL's numbers (FlexAttention has no
 backward on CPU, so this is where its gradients are checked), compiles a bounded number of times and never runs
-FlexAttention uncompiled. 45 tests; run them with `python scripts/gpu_check.py --part tests --out DIR`, which also
+FlexAttention uncompiled. 58 tests; run them with `python scripts/gpu_check.py --part tests --out DIR`, which also
 collects the compile counts and the long-row peak memory they record. Commands and results:
 docs/benchmarks/gpu_tests.md.
 

@@ -25,7 +25,7 @@ import gpu_check  # noqa: E402
 
 
 MODELS = ("qwen2.5-0.5b", "llama-3b")
-VARIANTS = ("stock", "sharing", "packing", "sharing+packing")
+VARIANTS = ("stock", "sharing", "packing", "sharing+packing", "sharing-sdpa")
 HOST_KEYS = {
     "step_ms",
     "layout_host_ms_per_step",
@@ -35,6 +35,7 @@ HOST_KEYS = {
     "compiled_variants",
     "eager_flex_warnings",
     "recompile_limit_warnings",
+    "profile",
 }
 
 
@@ -94,8 +95,13 @@ def test_dry_run_gpu_json_has_cpu_json_schema_plus_versions_and_host_times(dry_r
                 laid_out = variant != "stock"  # sharing and packing build the layout's mask; stock none
                 assert (result["mask_host_ms_per_step"] is not None) == laid_out, (model, kind, variant)
                 assert result["masks_per_step"] >= (1 if laid_out else 0)
+                profile = result["profile"]  # the profiled epoch: per-step CPU time and its top operators
+                assert profile["wall_ms_per_step"] > 0 and profile["cpu_ops_ms_per_step"] > 0
+                assert profile["top_cpu_ops_ms_per_step"] and profile["gpu_busy_ms_per_step"] is None  # no GPU
+            assert by_variant["sharing-sdpa"]["attn_implementation"] == "sdpa"
             summary = data["summary"][model][kind]["HH-RLHF"]
             assert summary["paper"] == [1.19, 1.48] and summary["ideal"] > 1
+            assert summary["faster_sharing_kernel"] in ("sdpa", "flex")
     grpo = data["grpo"]["qwen2.5-0.5b"]
     assert set(grpo) == set(gpu_check.GRPO_PROFILES)
     for result in grpo.values():
@@ -108,6 +114,7 @@ def test_dry_run_gpu_json_has_cpu_json_schema_plus_versions_and_host_times(dry_r
         "## llama-3b: DPO",
         "## llama-3b: REWARD",
         "## qwen2.5-0.5b: GRPO",
+        "## qwen2.5-0.5b: where the step goes",
     ):
         assert title in markdown
 
@@ -134,6 +141,30 @@ def test_merge_combines_parts_from_separate_runs(dry_run, tmp_path):
     (tmp_path / "part1" / "gpu.json").write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="one machine"):
         gpu_check.main(["--merge", str(tmp_path / "part0"), str(tmp_path / "part1"), "--out", str(out)])
+
+
+@pytest.mark.long
+def test_merge_combines_profiles_of_one_model_from_separate_runs(dry_run, tmp_path):
+    """Parts that measured different profiles of the same model and kind (a run cut short, then the rest): the merged
+    results hold every profile, and a profile one part had no time for but another measured is not listed as not
+    run."""
+    full = json.loads((dry_run / "gpu.json").read_text())
+    first, second = copy.deepcopy(full), copy.deepcopy(full)
+    for kinds in second["results"].values():
+        for kind in kinds:
+            kinds[kind] = {"TLDR": kinds[kind]["HH-RLHF"]}
+    first["not_run"] = ["qwen2.5-0.5b dpo TLDR", "qwen2.5-0.5b dpo Capybara"]
+    for index, part in enumerate((first, second)):
+        (tmp_path / f"part{index}").mkdir()
+        (tmp_path / f"part{index}" / "gpu.json").write_text(json.dumps(part))
+    out = tmp_path / "merged"
+    assert gpu_check.main(["--merge", str(tmp_path / "part0"), str(tmp_path / "part1"), "--out", str(out)]) == 0
+    merged = json.loads((out / "gpu.json").read_text())
+    for model in MODELS:
+        for kind in ("dpo", "reward"):
+            assert set(merged["results"][model][kind]) == {"HH-RLHF", "TLDR"}
+            assert set(merged["summary"][model][kind]) == {"HH-RLHF", "TLDR"}
+    assert merged["not_run"] == ["qwen2.5-0.5b dpo Capybara"]
 
 
 @pytest.mark.long
