@@ -24,11 +24,12 @@ Files (at most 6 in `--out`, each well under 16 MiB):
 - `gpu_check.log`: this script's progress.
 
 Benchmark method: for each model, kind (DPO, reward) and profile (the paper's six datasets: synthetic pairs with their
-median prompt and completion lengths, lognormal spread), the four variants (stock TRL with SDPA and padding, as users
-run it; prefix sharing; packing; both) train one after another from the same weights in bf16 with TRL's default
-gradient checkpointing: one warm-up epoch (compilation; activation memory), then `repeats` timed epochs, throughput
-from the median epoch. GRPO: TRL-shaped generation batches through TRL's `compute_loss` and backward, stock vs
-sharing, median of interleaved repeats.
+median prompt and completion lengths, lognormal spread), the variants (stock TRL with SDPA and padding, as users
+run it; prefix sharing; packing; both; and sharing with SDPA's dense mask instead of FlexAttention, unless
+`--skip-sdpa`) train one after another from the same weights in bf16 with TRL's default gradient checkpointing: one
+warm-up epoch (compilation; activation memory), then `repeats` timed epochs, throughput from the median epoch, then
+one profiled epoch (unless `--skip-profile`: the GPU's busy time per step and the top operators). GRPO: TRL-shaped
+generation batches through TRL's `compute_loss` and backward, stock vs sharing, median of interleaved repeats.
 """
 
 from __future__ import annotations
