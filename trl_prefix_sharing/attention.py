@@ -26,6 +26,7 @@ from transformers.utils import logging
 
 from .architectures import supported_model_types, window_layout
 from .mask import block_mask, dense_mask, prefix_sharing_mask
+from .patching import keep_own, put_back_own
 from .vision import VISION_MODEL_TYPES, is_vision_config
 
 
@@ -186,12 +187,7 @@ class AttentionSwitch:
 
     def restore(self) -> None:
         for model, old in reversed(self._saved):
-            if _OWN_GENERATE in model.__dict__:
-                own = model.__dict__.pop(_OWN_GENERATE)
-                if own is None:
-                    del model.__dict__["generate"]
-                else:
-                    model.generate = own
+            put_back_own(model, "generate", _OWN_GENERATE)
             if old is not None and model.config._attn_implementation != old:
                 model.set_attn_implementation(old)
         self._saved.clear()
@@ -199,7 +195,6 @@ class AttentionSwitch:
 
 def _generate_with(model, attn_implementation: str) -> None:
     """Wrap this model instance's `generate` to run on `attn_implementation`, switching back afterwards."""
-    own = model.__dict__.get("generate")
     generate = model.generate
 
     @functools.wraps(generate)
@@ -211,7 +206,7 @@ def _generate_with(model, attn_implementation: str) -> None:
         finally:
             model.set_attn_implementation(shared)
 
-    model.__dict__[_OWN_GENERATE] = own
+    keep_own(model, "generate", _OWN_GENERATE)
     model.generate = generate_as_stock
 
 

@@ -37,6 +37,7 @@ from .forward import (
 )
 from .layout import build_shared_batch, shared_group_layout
 from .model_check import check_rows, distributed, run_model_check
+from .patching import keep_own, put_back_own
 from .vision import check_supported_vision_model, has_vision_inputs, is_vision_config, shared_vision_inputs
 
 
@@ -189,7 +190,7 @@ class PrefixSharing:
             outputs = self._fuse_lm_head if isinstance(self._fuse_lm_head, tuple) else ("log_probs",)
             for model in self.models:
                 if _UNFUSED not in model.__dict__:
-                    model.__dict__[_UNFUSED] = model.__dict__.get("forward")  # None: the class's own forward
+                    keep_own(model, "forward", _UNFUSED)
                     add_fused_lm_head(model, outputs=outputs)
         for model in self.models:
             self._switch.apply(model, self.attn_implementation)
@@ -202,12 +203,7 @@ class PrefixSharing:
             remove_prefix_sharing_forward(model)
         self._switch.restore()
         for model in self.models:
-            if _UNFUSED in model.__dict__:
-                unfused = model.__dict__.pop(_UNFUSED)
-                if unfused is None:
-                    del model.__dict__["forward"]
-                else:
-                    model.forward = unfused
+            put_back_own(model, "forward", _UNFUSED)
         self.attached = False
 
     # ----------------------------------------------------------------------------------------------- batches
