@@ -66,10 +66,10 @@ def test_dry_run_writes_the_files_a_gpu_run_keeps(dry_run):
 def test_dry_run_gpu_tests_json_has_the_schema_and_the_real_counts(dry_run):
     data = json.loads((dry_run / "gpu_tests.json").read_text())
     assert set(gpu_check.GPU_TESTS_KEYS) <= set(data)
-    assert data["collected"] == 48  # tests/test_cuda.py, collected (an import error there fails here)
-    assert data["passed"] + data["failed"] + data["skipped"] + data["not_run"] == 48
+    assert data["collected"] == 58  # tests/test_cuda.py, collected (an import error there fails here)
+    assert data["passed"] + data["failed"] + data["skipped"] + data["not_run"] == 58
     if not torch.cuda.is_available():
-        assert data["skipped"] == 48 and data["skip_reasons"] == ["Skipped: needs CUDA (FlexAttention backward)"]
+        assert data["skipped"] == 58 and data["skip_reasons"] == ["Skipped: needs CUDA (FlexAttention backward)"]
     assert isinstance(data["recompiles"], dict) and isinstance(data["peak_memory_gb"], dict)
     assert data["command"].startswith("python scripts/gpu_check.py") and "--dry-run" in data["command"]
     assert data["torch"] == torch.__version__ and data["environment"]["dry_run"] is True
