@@ -851,7 +851,7 @@ def summarise(data) -> dict:
     """Per model, kind and profile: the ideal, each variant's speedup over stock, the paper's speedups over its
     FlexAttention baseline (sharing, with packing: the targets), and whether peak memory is below stock's."""
     from benchmark import PAPER as targets
-    from benchmark import PROFILES
+    from benchmark import PROFILES, SDPA_VARIANT
 
     summary = {}
     for name, kinds in data["results"].items():
@@ -869,8 +869,8 @@ def summarise(data) -> dict:
                     "target_met": speed["sharing"] >= targets[profile][0]
                     and speed["sharing+packing"] >= targets[profile][1],
                     "faster_sharing_kernel": None
-                    if "sharing-sdpa" not in v
-                    else ("sdpa" if v["sharing-sdpa"]["pairs_per_s"] > v["sharing"]["pairs_per_s"] else "flex"),
+                    if SDPA_VARIANT not in v
+                    else ("sdpa" if v[SDPA_VARIANT]["pairs_per_s"] > v["sharing"]["pairs_per_s"] else "flex"),
                     "memory_below_stock": None
                     if memory["stock"] is None
                     else all(memory[variant] < memory["stock"] for variant in ("sharing", "sharing+packing")),
@@ -988,7 +988,9 @@ def render_md(data) -> str:
 def render_step_md(data) -> list[str]:
     """Where a step goes, per profile: the step time beside the GPU's busy time (a profiled epoch), for stock,
     sharing with FlexAttention and sharing with SDPA's dense mask; and which sharing kernel was faster."""
-    shown = ("stock", "sharing", "sharing-sdpa")
+    from benchmark import SDPA_VARIANT
+
+    shown = ("stock", "sharing", SDPA_VARIANT)
     lines = []
     for name, kinds in data["results"].items():
         rows = []
@@ -1003,8 +1005,8 @@ def render_step_md(data) -> list[str]:
                     return "-" if not prof else f"{v[x]['step_ms']:.1f} / {_fmt(prof['gpu_busy_ms_per_step'], '.1f')}"
 
                 rows.append(
-                    f"| {kind} | {profile} | {speed['sharing']:.2f}x | {_fmt(speed.get('sharing-sdpa'), '.2f')}"
-                    f"{'x' if 'sharing-sdpa' in speed else ''} | " + " | ".join(cell(x) for x in shown) + " |"
+                    f"| {kind} | {profile} | {speed['sharing']:.2f}x | {_fmt(speed.get(SDPA_VARIANT), '.2f')}"
+                    f"{'x' if SDPA_VARIANT in speed else ''} | " + " | ".join(cell(x) for x in shown) + " |"
                 )
         if rows:
             lines += [

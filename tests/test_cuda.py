@@ -87,12 +87,17 @@ def checkpoint_as_train_does(*trainers):
     return trainers
 
 
-def _check_flex(trainer, batch):
-    """Called after a step: FlexAttention with BlockMasks, checkpointing still on (TRL's reference pass switches it
-    off and back), a head size CUDA FlexAttention accepts."""
+def _check_flex_trainer(trainer):
+    """Called after a step: FlexAttention chosen, checkpointing still on (TRL's reference pass switches it off and
+    back), a head size CUDA FlexAttention accepts."""
     assert trainer.sharing.attn_implementation == "flex_attention"
     assert is_checkpointing(trainer.model)
     assert head_size(trainer.model.config) >= 16
+
+
+def _check_flex(trainer, batch):
+    """`_check_flex_trainer`, and the batch's masks are BlockMasks."""
+    _check_flex_trainer(trainer)
     masks = batch["prefix_sharing"]["attention_mask"]
     masks = masks.values() if isinstance(masks, dict) else [masks]
     assert all(type(mask).__name__ == "BlockMask" for mask in masks)
@@ -172,10 +177,9 @@ def test_ranked_reward_step_matches_stock_on_expanded_pairs(tmp_path, tokenizer,
 
 # ------------------------------------------------------------------------------------------ the trie, KTO, ORPO, CPO
 def _assert_flex_ran(trainer, watch):
-    """FlexAttention chosen and run compiled (at least one variant), never eagerly, checkpointing on: for trainers
-    whose batch holds no layout."""
-    assert trainer.sharing.attn_implementation == "flex_attention"
-    assert is_checkpointing(trainer.model)
+    """`_check_flex_trainer`, and FlexAttention ran compiled (at least one variant), never eagerly: for trainers whose
+    batch holds no layout."""
+    _check_flex_trainer(trainer)
     report = watch.report()
     assert report["flex_attention"] >= 1 and report["create_block_mask"] >= 1, report
     assert report["eager_flex_warnings"] == 0, report
