@@ -17,7 +17,16 @@ from trl_prefix_sharing.trl_internals import INTERNALS, SUPPORTED_TRL, Internal,
 
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAINERS = ("DPOTrainer", "RewardTrainer", "GRPOTrainer", "RLOOTrainer", "OnlineDPOTrainer")
+TRAINERS = (
+    "DPOTrainer",
+    "RewardTrainer",
+    "GRPOTrainer",
+    "RLOOTrainer",
+    "OnlineDPOTrainer",
+    "KTOTrainer",
+    "ORPOTrainer",
+    "CPOTrainer",
+)
 
 
 @pytest.mark.long
@@ -53,18 +62,20 @@ def _listed(owner_class) -> set[str]:
 @pytest.mark.parametrize("name", TRAINERS)
 def test_every_overridden_private_method_is_listed(name):
     """A private method of TRL's trainer or transformers' Trainer that one of our classes defines is an override of a
-    TRL internal: it must be in `trl_internals.INTERNALS` (the one place that shows what a TRL release can break)."""
+    TRL internal, and so is any method that TRL's trainer class itself defines: it must be in `trl_internals.INTERNALS`
+    (the one place that shows what a TRL release can break)."""
     cls = getattr(trl_prefix_sharing, name)
     ours = [klass for klass in cls.__mro__ if klass.__module__.startswith("trl_prefix_sharing")]
     theirs = [klass for klass in cls.__mro__ if klass.__module__.startswith(("trl.", "transformers."))]
+    trl_classes = [base for base in theirs if base.__module__.startswith("trl.")]
     overridden = {
         attr
         for klass in ours
         for attr, value in vars(klass).items()
-        if attr.startswith("_")
-        and not attr.startswith("__")
+        if not attr.startswith("__")
         and callable(value)
-        and any(attr in vars(base) for base in theirs)
+        # a private method of TRL or transformers, or any method TRL's trainer defines (its own steps)
+        and any(attr in vars(base) for base in (theirs if attr.startswith("_") else trl_classes))
     }
     assert overridden, "no private override found: the check looks at nothing"
     assert overridden <= _listed(cls), f"not listed in trl_internals.INTERNALS: {sorted(overridden - _listed(cls))}"
@@ -93,6 +104,76 @@ def test_a_changed_internal_is_one_clear_error(monkeypatch):
     assert f"trl{SUPPORTED_TRL}" in message and trl.__version__ in message
     assert "has no `_renamed`" in message and "_precompute_ref_logps takes (self, dataset, name" in message
     assert "no longer sets `model._gone_forward`" in message
+
+
+def _checked(monkeypatch, *trainers):
+    """`check_trl_internals(*trainers)` on the (perturbed) installed TRL: the error message, or None."""
+    check_trl_internals.cache_clear()
+    monkeypatch.setattr(trl_internals, "_warned", [])
+    try:
+        check_trl_internals(*trainers)
+    except ImportError as error:
+        return str(error)
+    finally:
+        check_trl_internals.cache_clear()
+    return None
+
+
+def test_a_rewritten_trl_method_body_is_refused(monkeypatch):
+    """A TRL whose method, re-derived here, has new code (same name and signature) is refused, naming the method."""
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    assert _checked(monkeypatch, "online_dpo") is None
+
+    def _forward(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs=None):
+        return None  # a different body
+
+    monkeypatch.setattr(OnlineDPOTrainer, "_forward", _forward)
+    message = _checked(monkeypatch, "online_dpo")
+    assert message is not None and "OnlineDPOTrainer._forward has new code" in message and trl.__version__ in message
+
+
+def test_a_trl_method_that_no_longer_calls_what_we_replace_is_refused(monkeypatch):
+    def _prepare_inputs(self, generation_batch):
+        return generation_batch  # no `shuffle_sequence_dict`: the swap would change nothing
+
+    monkeypatch.setattr(trl.GRPOTrainer, "_prepare_inputs", _prepare_inputs)
+    message = _checked(monkeypatch, "grpo")
+    assert message is not None and "GRPOTrainer._prepare_inputs no longer contains `generation_batch" in message
+
+
+def test_a_fused_output_without_a_field_we_build_is_refused(monkeypatch):
+    import dataclasses
+
+    fields = [(f.name, f.type, f) for f in dataclasses.fields(trl.trainer.utils.FusedCausalLMOutput)]
+    smaller = dataclasses.make_dataclass("FusedCausalLMOutput", [f for f in fields if f[0] != "label_mask"])
+    monkeypatch.setattr(trl.trainer.utils, "FusedCausalLMOutput", smaller)
+    message = _checked(monkeypatch, "dpo")
+    assert message is not None and "FusedCausalLMOutput has no field `label_mask`" in message
+
+
+def test_an_untested_trl_with_unchanged_internals_runs_with_a_warning(monkeypatch):
+    monkeypatch.setattr(trl, "__version__", "1.99.0")
+    with pytest.warns(UserWarning, match=r"tested with trl>=.*installed: trl 1\.99\.0.*unchanged in this TRL"):
+        assert _checked(monkeypatch, *INTERNALS) is None
+
+    def _compute_loss(self, model, inputs, return_outputs):
+        return None
+
+    monkeypatch.setattr(trl.KTOTrainer, "_compute_loss", _compute_loss)
+    message = _checked(monkeypatch, "kto")
+    assert message is not None and "trl 1.99.0" in message and "KTOTrainer._compute_loss has new code" in message
+
+
+def test_the_fingerprint_ignores_comments_formatting_and_docstrings():
+    plain = "def f(x):\n    y = x + 1\n    return y\n"
+    same = (
+        '    def f(x):\n        """Docstring,\n        two lines."""\n        # a comment\n\n        y = x + 1\n'
+        "        return y\n"
+    )
+    other = "def f(x):\n    y = x + 2\n    return y\n"
+    fingerprint = trl_internals.source_fingerprint
+    assert fingerprint(plain) == fingerprint(same) != fingerprint(other)
 
 
 def test_supported_trl_range_is_the_requirement():

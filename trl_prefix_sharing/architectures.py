@@ -54,8 +54,9 @@ def _carries_state(layers: str) -> str:
 #: line: the registry and docs/architectures.md show them; an error continues "Prefix sharing can never support
 #: '<type>': <reason>.")
 ENCODER_DECODER = (
-    "it is an encoder-decoder model, and prefix sharing is for decoder-only causal LMs, which read a prompt and its "
-    "completions as one causal sequence (here the prompt goes through the encoder)"
+    "it is an encoder-decoder model, and this package lays out decoder-only causal LMs, which read a prompt and its "
+    "completions as one causal sequence; here the prompt goes through the encoder, where sharing it would mean one "
+    "encoder pass per prompt, which this package does not implement"
 )
 ENCODER = (
     "it is an encoder model, and prefix sharing is for decoder-only causal LMs, which read a prompt and its "
@@ -221,7 +222,6 @@ _REFUSED_LAYER_TYPES = {
 
 #: the reasons of :data:`REFUSED` and `layer_types` that hold by design (the others: not measured equal, not laid out)
 _BY_DESIGN = {
-    ENCODER_DECODER,
     ENCODER,
     MAMBA,
     MAMBA2,

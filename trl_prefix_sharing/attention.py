@@ -26,7 +26,7 @@ from transformers.utils import logging
 
 from .architectures import supported_model_types, window_layout
 from .mask import block_mask, dense_mask, prefix_sharing_mask
-from .patching import keep_own, put_back_own
+from .patching import patch_own, put_back_own
 from .vision import VISION_MODEL_TYPES, is_vision_config
 
 
@@ -158,18 +158,24 @@ def shared_row_multiple(attn_implementation: str, pad_to_multiple_of: int | None
     return FLEX_ROW_MULTIPLE if attn_implementation == "flex_attention" else None
 
 
-#: where `AttentionSwitch` keeps a model's own `generate` (an instance attribute, or None for the class's) while its
-#: generation wrapper is installed
-_OWN_GENERATE = "_prefix_sharing_own_generate"
+#: the generation methods `AttentionSwitch` runs on the model's own attention (`generate_batch`: transformers'
+#: continuous batching, TRL's `use_transformers_continuous_batching`)
+GENERATION_METHODS = ("generate", "generate_batch")
+
+
+def _own_key(name: str) -> str:
+    """Where a model's own generation method (an instance attribute, or None for the class's) is kept while its
+    wrapper is installed."""
+    return f"_prefix_sharing_own_{name}"
 
 
 class AttentionSwitch:
     """Set the attention implementation of given models, remembering the old one so it can be put back.
 
-    Generation runs on the model's own implementation, as in stock TRL: `generate` (GRPO, RLOO and online DPO sample
-    with it) switches back for the call. Sampling follows the logits' last bits, so generating through the shared
-    mask's implementation (FlexAttention under bf16 on CUDA) would draw other completions than stock TRL from the same
-    seed; it would also compile FlexAttention for every decoding length.
+    Generation runs on the model's own implementation, as in stock TRL: `generate` and `generate_batch` (GRPO, RLOO
+    and online DPO sample with them) switch back for the call. Sampling follows the logits' last bits, so generating
+    through the shared mask's implementation (FlexAttention under bf16 on CUDA) would draw other completions than
+    stock TRL from the same seed; it would also compile FlexAttention for every decoding length.
     """
 
     def __init__(self):
@@ -182,20 +188,24 @@ class AttentionSwitch:
         self._saved.append((model, current))
         if current != attn_implementation:
             model.set_attn_implementation(attn_implementation)
-            if current is not None and callable(getattr(model, "generate", None)):
-                _generate_with(model, current)
+            if current is not None:
+                for name in GENERATION_METHODS:
+                    if callable(getattr(model, name, None)):
+                        _generate_with(model, name, current)
 
     def restore(self) -> None:
         for model, old in reversed(self._saved):
-            put_back_own(model, "generate", _OWN_GENERATE)
+            for name in GENERATION_METHODS:
+                put_back_own(model, name, _own_key(name))
             if old is not None and model.config._attn_implementation != old:
                 model.set_attn_implementation(old)
         self._saved.clear()
 
 
-def _generate_with(model, attn_implementation: str) -> None:
-    """Wrap this model instance's `generate` to run on `attn_implementation`, switching back afterwards."""
-    generate = model.generate
+def _generate_with(model, name: str, attn_implementation: str) -> None:
+    """Wrap this model instance's generation method `name` to run on `attn_implementation`, switching back
+    afterwards."""
+    generate = getattr(model, name)
 
     @functools.wraps(generate)
     def generate_as_stock(*args, **kwargs):
@@ -206,8 +216,7 @@ def _generate_with(model, attn_implementation: str) -> None:
         finally:
             model.set_attn_implementation(shared)
 
-    keep_own(model, "generate", _OWN_GENERATE)
-    model.generate = generate_as_stock
+    patch_own(model, name, _own_key(name), generate_as_stock)
 
 
 @torch.no_grad()

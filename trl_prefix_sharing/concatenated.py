@@ -45,6 +45,8 @@ CONCATENATED_SHARING_DOC = (
 class ConcatenatedSharingArguments(PrefixSharingArguments):
     """The prefix-sharing fields of the ORPO and CPO configs."""
 
+    _liger_keeps_forward = False  # TRL's trainer leaves Liger's default (a replaced forward) as it is
+
     prefix_sharing_score_padding: bool = field(
         default=True,
         metadata={
@@ -73,7 +75,7 @@ class ConcatenatedSharingMixin(PrefixSharingMixin):
         processing_class = kwargs.get("processing_class", more[3] if len(more) > 3 else None)
         self._init_prefix_sharing(model, args, processing_class, kwargs.get("peft_config"))
         super().__init__(model, args, *more, **kwargs)
-        self._setup_prefix_sharing()
+        self._finish_prefix_sharing_init()
         if self.prefix_sharing and not (self.args.bf16 or self.args.fp16):
             if stock_logits_dtype(self.model) != torch.float32:
                 logger.warning(

@@ -124,7 +124,15 @@ class PrefixSharingArguments:
         """Whether this config asks for something only this package's trainers do."""
         return bool(self.prefix_sharing or getattr(self, "packing", False) or getattr(self, "group_by_prompt", False))
 
+    #: whether TRL's trainer keeps Liger's forward-replacing fused loss off (`use_liger_kernel` then applies layer
+    #: kernels only, which compose with the shared forward; checked again at the start of training)
+    _liger_keeps_forward = True
+
     def _check_prefix_sharing_arguments(self) -> None:
+        if self._asks_for_layout:
+            refusal = refused_option(self)
+            if refusal is not None:
+                raise ValueError(refusal)
         if self.prefix_sharing_model_check not in MODEL_CHECK_MODES:
             raise ValueError(
                 f"`prefix_sharing_model_check` must be one of {MODEL_CHECK_MODES}, got "
@@ -135,6 +143,47 @@ class PrefixSharingArguments:
                 f"`prefix_sharing_attn_implementation` must be one of {ATTN_IMPLEMENTATIONS}, got "
                 f"{self.prefix_sharing_attn_implementation!r}."
             )
+
+
+def refused_option(args) -> str | None:
+    """Why an option of this config cannot be combined with prefix sharing or packing (None: it can), with the way
+    out: every option of TRL's configs that changes the forward, the batch or the loss's inputs is either proven
+    against stock (docs/options.md) or refused here, before anything is built."""
+    what = "`prefix_sharing`/`packing`" if hasattr(args, "packing") else "`prefix_sharing`"
+    parallelism = getattr(args, "parallelism_config", None)
+    if parallelism is not None and (
+        getattr(parallelism, "cp_enabled", False) or getattr(parallelism, "sp_enabled", False)
+    ):
+        return (
+            f"{what} cannot be combined with context or sequence parallelism (`parallelism_config` with `cp_size` or "
+            "`sp_size` > 1): it splits each row across ranks and replaces custom attention masks with causal "
+            "attention, so the prefix-sharing mask would be dropped. Set `cp_size=1` and `sp_size=1`, or turn "
+            f"{what} off."
+        )
+    if parallelism is not None and getattr(parallelism, "tp_enabled", False):
+        return (
+            f"{what} has not been measured with tensor parallelism (`parallelism_config` with `tp_size` > 1). Set "
+            f"`tp_size=1` (data parallelism, DeepSpeed and FSDP are supported), or turn {what} off."
+        )
+    if getattr(args, "use_liger_kernel", False) and not args._liger_keeps_forward:
+        return (
+            f"{what} cannot be combined with `use_liger_kernel=True` in this trainer: transformers applies Liger's "
+            "kernels at the start of `train()`, and Liger's fused cross-entropy replaces the model's forward, which "
+            f"the shared layout runs through. Set `use_liger_kernel=False`, or turn {what} off."
+        )
+    if getattr(args, "neftune_noise_alpha", None) is not None:
+        return (
+            f"{what} cannot be combined with `neftune_noise_alpha`: NEFTune adds noise to the embeddings of the rows "
+            "the model runs, scaled by their length, and the shared rows hold other positions and lengths than "
+            f"stock's, so no step would be stock's. Set `neftune_noise_alpha=None`, or turn {what} off."
+        )
+    if getattr(args, "torch_compile", False):
+        return (
+            f"{what} cannot be combined with `torch_compile=True` (the whole model compiled): the shared layout is "
+            "built around the model's forward, and FlexAttention's mask and kernel are compiled on their own. Set "
+            "`torch_compile=False`."
+        )
+    return None
 
 
 def _get_process_log_level_for_our_trainers(self) -> int:
@@ -240,6 +289,8 @@ class RewardConfig(trl.RewardConfig, PackingArguments):
         "Configuration class for [`trl_prefix_sharing.RewardTrainer`]: every parameter of [`trl.RewardConfig`], plus "
         "the ones below. With `prefix_sharing=False` and `packing=False` training is exactly TRL's.\n" + _FIELDS_DOC
     )
+
+    _liger_keeps_forward = False  # TRL's reward trainer leaves Liger's default (a replaced forward) as it is
 
     def __post_init__(self):
         super().__post_init__()

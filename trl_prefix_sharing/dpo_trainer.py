@@ -87,7 +87,7 @@ class DPOTrainer(PreferenceSharingMixin, trl.DPOTrainer):
             quantization_config=quantization_config,
             peft_config=peft_config,
         )
-        self._setup_prefix_sharing()
+        self._finish_prefix_sharing_init()
         batch_level = sorted(set(self.loss_types) & BATCH_LEVEL_LOSS_TYPES)
         if self.packing and batch_level:
             logger.warning(

@@ -27,12 +27,15 @@ import types
 import torch
 
 from .layout import gather_to_stock, shared_labels
+from .patching import is_patched, patch_of, patch_own, put_back_own
 from .vision import substitute as substitute_vision_inputs
 
 
 __all__ = [
     "install_prefix_sharing_forward",
     "remove_prefix_sharing_forward",
+    "has_prefix_sharing_forward",
+    "prefix_sharing_forward",
     "unwrap_model",
     "check_layout_matches",
     "wrapped_in_mixed_precision",
@@ -40,6 +43,9 @@ __all__ = [
 ]
 
 _ORIGINAL = "_prefix_sharing_original_forward"
+#: a model's cache argument under either of its names (transformers 5.24 renamed `past_key_values` to `cache`): the
+#: shared rows are computed whole, never from a cache
+_CACHES = ("past_key_values", "cache")
 _PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 #: what accelerate's `prepare_model` keeps on a model whose forward it wrapped in autocast (native mixed precision)
 _ACCELERATE_UNWRAPPED_FORWARD = "_original_forward"
@@ -132,7 +138,7 @@ def _shared_forward(original_forward, kwargs: dict, layout: dict):
     shift_labels = kwargs.pop("shift_labels", None)
     labels = kwargs.pop("labels", None)
     input_ids, stock_attention_mask, mask, position_ids = _take_stock_inputs(
-        kwargs, layout, ("inputs_embeds", "position_ids")
+        kwargs, layout, ("inputs_embeds", "position_ids", *_CACHES)
     )
     if (labels is None) == (shift_labels is None):
         raise ValueError("The prefix-shared fused forward needs `labels` or `shift_labels` (one of them).")
@@ -183,7 +189,7 @@ def _shared_logits_forward(original_forward, kwargs: dict, layout: dict):
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     _, _, mask, position_ids = _take_stock_inputs(
-        kwargs, layout, ("inputs_embeds", "position_ids", "labels", "shift_labels", "past_key_values")
+        kwargs, layout, ("inputs_embeds", "position_ids", "labels", "shift_labels", *_CACHES)
     )
     keep = kwargs.pop("logits_to_keep", 0)
     kwargs.pop("fused_lm_head", None)
@@ -233,7 +239,7 @@ def _shared_classification_forward(model, kwargs: dict, layout: dict):
     from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
     input_ids, _, mask, position_ids = _take_stock_inputs(
-        kwargs, layout, ("inputs_embeds", "position_ids", "labels", "past_key_values")
+        kwargs, layout, ("inputs_embeds", "position_ids", "labels", *_CACHES)
     )
     kwargs.pop("margin", None)  # TRL's reward trainer hands the whole batch to the model
     hidden = getattr(model, model.base_model_prefix)(
@@ -277,8 +283,8 @@ def install_prefix_sharing_forward(model, autocast=None, route=None) -> None:
     holds, or a finished output, or None (the call runs as stock).
     Scoped to this model instance and idempotent; undone by :func:`remove_prefix_sharing_forward`.
     """
-    if _ORIGINAL in model.__dict__:
-        return
+    if is_patched(model, _ORIGINAL):
+        return  # installed (and perhaps wrapped since by accelerate's mixed precision, around it)
     original_forward = model.forward
     if _ACCELERATE_UNWRAPPED_FORWARD not in model.__dict__:
         autocast = None  # not wrapped yet: accelerate's wrapper will sit around this one
@@ -310,12 +316,31 @@ def install_prefix_sharing_forward(model, autocast=None, route=None) -> None:
         with autocast():
             return convert_to_fp32(shared(self, kwargs, prefix_sharing))
 
-    model.__dict__[_ORIGINAL] = original_forward
-    model.forward = types.MethodType(forward, model)
+    patch_own(model, "forward", _ORIGINAL, types.MethodType(forward, model))
 
 
-def remove_prefix_sharing_forward(model) -> None:
-    """Put back the forward that :func:`install_prefix_sharing_forward` wrapped."""
-    original = model.__dict__.pop(_ORIGINAL, None)
-    if original is not None:
-        model.forward = original
+def remove_prefix_sharing_forward(model) -> bool:
+    """Put back the forward that `install_prefix_sharing_forward` wrapped. Where accelerate has since wrapped the
+    shared forward in its mixed precision (a model prepared for training), taking it out would drop that wrapper too:
+    it stays beneath it, passing every call without a layout through unchanged, and False is returned."""
+    return put_back_own(model, "forward", _ORIGINAL)
+
+
+def has_prefix_sharing_forward(model) -> bool:
+    """Whether a call of `model` reaches the shared forward: it is `model.forward`, or the forward that accelerate's
+    mixed-precision wrapper on `model.forward` calls. False when something replaced it (e.g. a kernel library's
+    patch of the model's forward at the start of training)."""
+    ours = patch_of(model, _ORIGINAL)
+    if ours is None:
+        return False
+    return model.__dict__.get("forward") is ours or model.__dict__.get(_ACCELERATE_UNWRAPPED_FORWARD) is ours
+
+
+def prefix_sharing_forward(model):
+    """The shared forward installed on `model`, beneath any wrapper put around it since. For a call made from inside
+    the model's own forward (KTO's merged pass), which already runs inside that wrapper: accelerate's wrapper holds
+    one `torch.autocast` object, and re-entering it leaves autocast on after the outer call exits."""
+    ours = patch_of(model, _ORIGINAL)
+    if ours is None:
+        raise RuntimeError("Prefix sharing's forward is not installed on this model.")
+    return ours

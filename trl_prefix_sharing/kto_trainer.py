@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import trl
 
 from .config import _SHARING_DOC, PrefixSharingArguments
-from .forward import unwrap_model
+from .forward import prefix_sharing_forward, unwrap_model
 from .layout import prompt_lengths_from_completion_mask
 from .sharing import PrefixSharingMixin
 from .trl_internals import check_trl_internals
@@ -170,7 +170,9 @@ class _SharedKTOBatch:
 
         rows = self.merged_rows()
         kwargs = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "labels")}
-        outputs = model(
+        # called from inside the model's own forward: the shared forward beneath accelerate's autocast wrapper (the
+        # outer call already runs in it, and re-entering its one autocast object would leave autocast on)
+        outputs = prefix_sharing_forward(model)(
             input_ids=rows.input_ids,
             attention_mask=rows.attention_mask,
             labels=rows.labels,
@@ -233,7 +235,7 @@ class KTOTrainer(PrefixSharingMixin, trl.KTOTrainer):
             quantization_config=quantization_config,
             peft_config=peft_config,
         )
-        self._setup_prefix_sharing()
+        self._finish_prefix_sharing_init()
 
     @contextlib.contextmanager
     def _routing(self, inputs, stash_kl: bool = False):
@@ -243,6 +245,7 @@ class KTOTrainer(PrefixSharingMixin, trl.KTOTrainer):
             return
         if self._is_vision_dataset:
             raise ValueError("Prefix sharing for KTO is text-only; train vision data with `prefix_sharing=False`.")
+        self.sharing.attach()  # the routed calls reach the models through the shared forward
         self._shared_batch = _SharedKTOBatch(self.sharing, inputs, stash_kl)
         self.sharing.router = self._route
         try:

@@ -37,6 +37,8 @@ class OnlineDPOConfig(_TRLOnlineDPOConfig, PrefixSharingArguments):
         + _SHARING_DOC
     )
 
+    _liger_keeps_forward = False  # TRL's trainer leaves Liger's default (a replaced forward) as it is
+
     def __post_init__(self):
         super().__post_init__()
         self._check_prefix_sharing_arguments()
@@ -55,7 +57,7 @@ class OnlineDPOTrainer(PrefixSharingMixin, _TRLOnlineDPOTrainer):
         processing_class = kwargs.get("processing_class", more[3] if len(more) > 3 else None)
         self._init_prefix_sharing(model, args, processing_class, kwargs.get("peft_config"))
         super().__init__(model, ref_model, reward_funcs, args, *more, **kwargs)
-        self._setup_prefix_sharing()
+        self._finish_prefix_sharing_init()
 
     # ----------------------------------------------------------------------------------------------- forward
     def _forward(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs=None):

@@ -100,7 +100,7 @@ class RewardTrainer(PreferenceSharingMixin, trl.RewardTrainer):
             quantization_config=quantization_config,
             peft_config=peft_config,
         )
-        self._setup_prefix_sharing()
+        self._finish_prefix_sharing_init()
 
     # ----------------------------------------------------------------------------------------------- ranked data
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):

@@ -18,10 +18,12 @@ after it, and :meth:`~PrefixSharingMixin.remove_prefix_sharing`. Packing is a se
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Mapping
 
 import torch
+from transformers import TrainerCallback
 from transformers.utils import logging
 
 from .architectures import VISION, check_supported_model, refusal, refused_reason, window_layout
@@ -31,13 +33,14 @@ from .config import warn_if_not_our_config
 from .distributed import release_distributed_wrappers, warn_if_fewer_processes_than_asked
 from .forward import (
     _is_sequence_classifier,
+    has_prefix_sharing_forward,
     install_prefix_sharing_forward,
     remove_prefix_sharing_forward,
     unwrap_model,
 )
 from .layout import build_shared_batch, shared_group_layout
 from .model_check import check_rows, distributed, run_model_check
-from .patching import keep_own, put_back_own
+from .patching import is_patched, keep_own, mark_patched, put_back_own
 from .vision import check_supported_vision_model, has_vision_inputs, is_vision_config, shared_vision_inputs
 
 
@@ -113,6 +116,21 @@ def check_architecture(config, trainer_name: str, supports_vision: bool) -> str 
     return check_supported_model(config)
 
 
+def active_dropout(model) -> str | None:
+    """Where `model` still drops out in training (a `Dropout` module, or an attention module's dropout rate), or
+    None. Dropout draws a random mask per position of the rows the model runs, and the shared rows have other
+    positions than stock's, so no training step with it could be stock's."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            return f"`{name}` (p={module.p})"
+        if "Attention" in type(module).__name__:
+            for attribute in ("attention_dropout", "dropout"):
+                rate = getattr(module, attribute, None)
+                if isinstance(rate, float) and rate > 0:
+                    return f"`{name}.{attribute}` ({rate})"
+    return None
+
+
 class PrefixSharing:
     """The prefix-sharing state of one trainer; see the module docstring.
 
@@ -181,7 +199,9 @@ class PrefixSharing:
 
     # ----------------------------------------------------------------------------------------------- models
     def attach(self) -> None:
-        """Patch the models: (TRL's fused log-prob head,) the attention implementation, the shared forward."""
+        """Patch the models: (TRL's fused log-prob head,) the attention implementation, the shared forward. The
+        trainer attaches for the length of `train()`, `evaluate()` and `predict()`, and on first use by a direct call
+        of a step; idempotent."""
         if self.attached:
             return
         if self._fuse_lm_head:
@@ -189,22 +209,41 @@ class PrefixSharing:
 
             outputs = self._fuse_lm_head if isinstance(self._fuse_lm_head, tuple) else ("log_probs",)
             for model in self.models:
-                if _UNFUSED not in model.__dict__:
+                if not is_patched(model, _UNFUSED):
                     keep_own(model, "forward", _UNFUSED)
                     add_fused_lm_head(model, outputs=outputs)
+                    mark_patched(model, "forward", _UNFUSED)
         for model in self.models:
             self._switch.apply(model, self.attn_implementation)
             install_prefix_sharing_forward(model, autocast=self.autocast, route=self._route)
         self.attached = True
 
     def detach(self) -> None:
-        """Undo every patch of :meth:`attach`; the models are as the trainer got them."""
+        """Undo the patches of `attach`: the models run on their own attention implementation and generate as
+        stock. A forward that accelerate has since wrapped in its mixed precision (a model prepared for training)
+        stays beneath that wrapper, passing every call without a layout through unchanged (taking it out would drop
+        accelerate's wrapper too); every other patch is taken out."""
         for model in self.models:
-            remove_prefix_sharing_forward(model)
+            if remove_prefix_sharing_forward(model):
+                put_back_own(model, "forward", _UNFUSED)
         self._switch.restore()
-        for model in self.models:
-            put_back_own(model, "forward", _UNFUSED)
         self.attached = False
+
+    def check_forward_in_place(self, use_liger_kernel: bool = False) -> None:
+        """At the start of training: refuse to train where something replaced the shared forward after it was
+        installed (it would stop sharing prefixes without a word, or fail at its first layout)."""
+        for model in self.models:
+            if not has_prefix_sharing_forward(model):
+                cause = (
+                    "`use_liger_kernel=True`: transformers applies Liger's kernels at the start of `train()`, "
+                    "and its patch of this model replaced the forward"
+                    if use_liger_kernel
+                    else "something patched the model's forward after the trainer was built"
+                )
+                raise RuntimeError(
+                    f"Prefix sharing's forward of {type(model).__name__} is no longer in place ({cause}), so training "
+                    "would not share prefixes. Drop that patch, or train with `prefix_sharing=False`."
+                )
 
     # ----------------------------------------------------------------------------------------------- batches
     def collator(self, base_collator, share_prefix: bool = True) -> PrefixSharingCollator:
@@ -225,6 +264,7 @@ class PrefixSharing:
         layout = inputs.get("prefix_sharing") if isinstance(inputs, Mapping) else None
         if layout is None:
             raise RuntimeError("Prefix sharing is on but the batch has no layout: was the data collator replaced?")
+        self.attach()
         if self.pending_check:
             self.check_model(
                 inputs["input_ids"],
@@ -259,6 +299,7 @@ class PrefixSharing:
     ) -> dict:
         """The layout, with its mask, of stock rows built in the training step (the trie of the rows; ``examples``,
         ``prompt_lengths`` and ``score_padding``: see `plan_layout`). On the rows' device; one host read."""
+        self.attach()
         if self.pending_check:
             if prompt_lengths is None and examples is None:
                 raise ValueError("The start-up check needs the prompt lengths or the examples of the rows.")
@@ -291,6 +332,7 @@ class PrefixSharing:
         Built once per set of rows: it is kept while the tensors the rows were read from live unchanged (``source``,
         default ``input_ids`` and ``attention_mask``; views of one generation batch count as the same rows), so the
         old-policy, reference and training passes over the same rows share one layout and one mask."""
+        self.attach()
         if self.pending_check:
             self.check_model(input_ids, attention_mask, prompt_lengths=attention_mask[:, :prompt_length].sum(1))
         source = (input_ids, attention_mask) if source is None else source
@@ -389,6 +431,19 @@ class _LayoutCache:
             weakref.finalize(base, self._entries.pop, key, None)
 
 
+class _ForwardInPlace(TrainerCallback):
+    """At the start of training (after transformers applied its kernel options to the model): the shared forward is
+    still in place."""
+
+    def __init__(self, trainer):
+        self._trainer = weakref.ref(trainer)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer = self._trainer()
+        if trainer is not None and trainer.sharing is not None:
+            trainer.sharing.check_forward_in_place(getattr(args, "use_liger_kernel", False))
+
+
 class PrefixSharingMixin:
     """Placed before TRL's trainer class (and before :class:`~trl_prefix_sharing.packing.PackingMixin`). A trainer
     calls `_init_prefix_sharing(...)` before TRL's `__init__` and `_setup_prefix_sharing()` after it; the integration
@@ -454,6 +509,14 @@ class PrefixSharingMixin:
         for preference trainers, the collator. Idempotent."""
         if self.sharing is not None or not self._uses_layout:
             return
+        where = active_dropout(unwrap_model(self.model))
+        if where is not None:
+            raise ValueError(
+                f"Prefix sharing cannot give stock's numbers with dropout active in the model ({where}): dropout "
+                "draws a random mask per position of the rows the model runs, and the shared rows have other "
+                "positions than stock's. Set `disable_dropout=True` in the config (and an attention dropout of 0 in "
+                "the model config), or train with `prefix_sharing=False`."
+            )
         self.sharing = PrefixSharing(
             self._layout_models(),
             self.processing_class,
@@ -467,8 +530,41 @@ class PrefixSharingMixin:
             autocast=self.accelerator.autocast,
             model_check=getattr(self.args, "prefix_sharing_model_check", "auto"),
         )
-        self.sharing.attach()
         self._setup_collator()
+        self.add_callback(_ForwardInPlace(self))
+
+    def _finish_prefix_sharing_init(self) -> None:
+        """The end of the trainer's `__init__`: the integration object set up, the models left as TRL leaves them (the
+        patches are attached by `train()`, `evaluate()` and `predict()` for their length)."""
+        self._setup_prefix_sharing()
+        if self.sharing is not None and not getattr(self, "_sharing_scope_depth", 0):
+            self.sharing.detach()
+
+    @contextlib.contextmanager
+    def _prefix_sharing_scope(self):
+        """The models patched for the block (nested blocks: the outermost one), as TRL left them afterwards."""
+        depth = getattr(self, "_sharing_scope_depth", 0)
+        self._sharing_scope_depth = depth + 1
+        try:
+            if self.sharing is not None:
+                self.sharing.attach()
+            yield
+        finally:
+            self._sharing_scope_depth = depth
+            if depth == 0 and self.sharing is not None:
+                self.sharing.detach()
+
+    def train(self, *args, **kwargs):
+        with self._prefix_sharing_scope():
+            return super().train(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        with self._prefix_sharing_scope():
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        with self._prefix_sharing_scope():
+            return super().predict(*args, **kwargs)
 
     def _setup_collator(self) -> None:
         """Preference trainers wrap their collator (see `PreferenceSharingMixin`); online trainers lay out in the

@@ -115,7 +115,6 @@ def _stock_position_ids(base_model, inputs) -> torch.Tensor:
         image_grid_thw=inputs.get("image_grid_thw"),
         video_grid_thw=None,
         attention_mask=inputs.get("attention_mask"),
-        past_key_values=None,
         mm_token_type_ids=inputs.get("mm_token_type_ids"),
     )
     if position_ids is None:  # no image in the batch: the text model counts 0, 1, 2, ... along every row

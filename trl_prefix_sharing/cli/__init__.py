@@ -56,6 +56,10 @@ def launch(command: str, argv: list[str]) -> int:
     from accelerate.commands.launch import launch_command, launch_command_parser
     from trl.cli.accelerate_config import resolve_accelerate_config_argument
     from trl.cli.commands.training import _subtract_subsequence
+
+    from ..trl_internals import check_trl_internals
+
+    check_trl_internals("cli")
     from trl.import_utils import TRLExperimentalWarning
 
     from .train import SETUP_ERRORS, make_parser

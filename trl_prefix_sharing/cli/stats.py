@@ -449,6 +449,9 @@ def preference_report(dataset, tokenizer, args) -> None:
     bars = datasets.is_progress_bar_enabled()
     if len(dataset) <= 4096:
         datasets.disable_progress_bars()  # preprocessing takes seconds: no bars
+    from ..trl_internals import check_trl_internals
+
+    check_trl_internals("stats")  # TRL's dataset preparation, run without a trainer
     try:
         with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # TrainingArguments' deprecations: not the user's doing
