@@ -1,11 +1,13 @@
 """Launched by tests/test_deepspeed.py through `accelerate launch` with a DeepSpeed ZeRO-2 or ZeRO-3 config on CPU
-(gloo, `use_cpu: true`, no mixed precision). Trains stock TRL and the prefix-shared trainer one after the other in the
-same processes, under the same config, from the same weights on the same data, and writes for each run: the logged
-losses, the trained weights (gathered from the ZeRO-3 partitions) and how the parameters were partitioned.
+(gloo, `use_cpu: true`, no mixed precision), and by tests/test_distributed.py through torch.distributed.run (plain DDP,
+gloo). Trains stock TRL and the prefix-shared trainer one after the other in the same processes, under the same
+config, from the same weights on the same data, and writes for each run: the logged losses and log lines, the trained
+weights (gathered from the ZeRO-3 partitions) and how the parameters were partitioned (DeepSpeed only).
 
-`--runs` picks the runs: `dpo` (stock, then ours with sharing), `reward` (same), `dpo-packing` (ours with sharing and
-packing; its stock counterpart is `dpo-replay`, stock TRL on one process taking, step by step, the union of the
-packed batches of the 2 ranks as one ordinary batch: the plain mean over the same pairs)."""
+`--runs` picks the runs: `dpo` (stock, then ours with sharing), `reward`, `kto` (with its KL term), `orpo`, `cpo`
+(`loss_type="sigmoid"`) (the same), `dpo-packing` (ours with sharing and packing; its stock counterpart is
+`dpo-replay`, stock TRL on one process taking, step by step, the union of the packed batches of the 2 ranks as one
+ordinary batch: the plain mean over the same pairs)."""
 
 import argparse
 import copy
@@ -25,7 +27,18 @@ import trl  # noqa: E402
 from distributed_train import ReplayRanks, finish  # noqa: E402
 from equivalence import CPU_RUN  # noqa: E402
 
-from trl_prefix_sharing import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer  # noqa: E402
+from trl_prefix_sharing import (  # noqa: E402
+    CPOConfig,
+    CPOTrainer,
+    DPOConfig,
+    DPOTrainer,
+    KTOConfig,
+    KTOTrainer,
+    ORPOConfig,
+    ORPOTrainer,
+    RewardConfig,
+    RewardTrainer,
+)
 from trl_prefix_sharing.testing import make_config, make_model, make_tokenizer, synthetic_pairs  # noqa: E402
 
 
@@ -39,10 +52,39 @@ def make_models(tokenizer) -> dict:
     reward = AutoModelForSequenceClassification.from_config(
         make_config("llama", len(tokenizer), num_labels=1), attn_implementation="sdpa", dtype=torch.float32
     )
+    policy_and_reference = (make_model("qwen2", len(tokenizer), seed=0), make_model("qwen2", len(tokenizer), seed=1))
     return {
-        "dpo": (make_model("qwen2", len(tokenizer), seed=0), make_model("qwen2", len(tokenizer), seed=1)),
+        "dpo": policy_and_reference,
+        "kto": policy_and_reference,
+        "orpo": policy_and_reference[:1],
+        "cpo": policy_and_reference[:1],
         "reward": (reward,),
     }
+
+
+def trainer_classes() -> dict:
+    """kind: (stock trainer, stock config, ours, our config, options of both) of the trainers built alike (KTO, ORPO,
+    CPO): a policy, KTO's reference, `max_length` (the data is never truncated)."""
+    from trl.experimental.cpo import CPOConfig as StockCPOConfig
+    from trl.experimental.cpo import CPOTrainer as StockCPOTrainer
+    from trl.experimental.orpo import ORPOConfig as StockORPOConfig
+    from trl.experimental.orpo import ORPOTrainer as StockORPOTrainer
+
+    return {
+        "kto": (trl.KTOTrainer, trl.KTOConfig, KTOTrainer, KTOConfig, {"loss_type": "kto"}),  # with the KL term
+        "orpo": (StockORPOTrainer, StockORPOConfig, ORPOTrainer, ORPOConfig, {}),
+        "cpo": (StockCPOTrainer, StockCPOConfig, CPOTrainer, CPOConfig, {"loss_type": "sigmoid"}),
+    }
+
+
+def unpaired(dataset):
+    """KTO's unpaired format from preference pairs: each pair's chosen answer (desirable) or rejected one
+    (undesirable), so micro-batches of 2 hold both labels, or one of them only."""
+    rows = [
+        {"prompt": row["prompt"], "completion": row["chosen" if i % 3 else "rejected"], "label": bool(i % 3)}
+        for i, row in enumerate(dataset)
+    ]
+    return datasets.Dataset.from_list(rows)
 
 
 def make_trainer(kind, ours, out, tokenizer, dataset, models, **fields):
@@ -59,6 +101,18 @@ def make_trainer(kind, ours, out, tokenizer, dataset, models, **fields):
     )  # the same batches for both runs (packing: its own sampler)
     common.update(fields)
     ours_fields = ours or {}
+    if kind in ("kto", "orpo", "cpo"):
+        stock_cls, stock_config, cls, config, options = trainer_classes()[kind]
+        common.update(max_length=512, **options)
+        args = config(**common, **ours_fields) if ours is not None else stock_config(**common)
+        extra = {"ref_model": copy.deepcopy(models[kind][1])} if kind == "kto" else {}
+        return (cls if ours is not None else stock_cls)(
+            model=copy.deepcopy(models[kind][0]),
+            args=args,
+            train_dataset=unpaired(dataset) if kind == "kto" else dataset,
+            processing_class=tokenizer,
+            **extra,
+        )
     if kind == "dpo":
         model, ref = (copy.deepcopy(m) for m in models["dpo"])
         args = DPOConfig(**common, **ours_fields) if ours is not None else trl.DPOConfig(**common)
@@ -70,8 +124,10 @@ def make_trainer(kind, ours, out, tokenizer, dataset, models, **fields):
     return cls(model=copy.deepcopy(models["reward"][0]), args=args, train_dataset=dataset, processing_class=tokenizer)
 
 
-def partitioning(trainer) -> dict:
-    """How the trained model's parameters and optimizer state are held on this rank."""
+def partitioning(trainer) -> dict | None:
+    """How the trained model's parameters and optimizer state are held on this rank (DeepSpeed only)."""
+    if not trainer.is_deepspeed_enabled:
+        return None
     engine = trainer.model_wrapped
     params = list(engine.module.parameters())
     optimizer = engine.optimizer
@@ -88,10 +144,11 @@ def partitioning(trainer) -> dict:
 
 
 def full_weights(trainer) -> dict:
+    params = dict(trainer.accelerator.unwrap_model(trainer.model_wrapped).named_parameters())
+    if not trainer.is_deepspeed_enabled:
+        return {name: p.detach().clone() for name, p in params.items()}
     import deepspeed
 
-    model = trainer.model_wrapped.module
-    params = dict(model.named_parameters())
     with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
         return {name: p.detach().clone() for name, p in params.items()}
 
@@ -100,8 +157,10 @@ def without_shm_allreduce() -> None:
     """DeepSpeed JIT-compiles a shared-memory allreduce for CPU (C++ through ninja: minutes on 2 cores) when it first
     initialises; mark it unavailable so that DeepSpeed uses torch.distributed's gloo collectives, as it does where the
     op cannot build. (`__compatible_ops__` is one dict cached in the module, read when DeepSpeed initialises.)"""
-    import deepspeed.ops
-
+    try:
+        import deepspeed.ops
+    except ImportError:  # a DDP launch without DeepSpeed installed
+        return
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
@@ -119,7 +178,7 @@ def main():
     results = {}
     for run in args.runs.split(","):
         kind = run.split("-")[0]
-        if run in ("dpo", "reward"):
+        if run in ("dpo", "reward", "kto", "orpo", "cpo"):
             # the start-up check too: the policy under ZeRO's hooks (stage 3: partitioned parameters), ranks agreeing
             todo = [
                 ("stock", None, {}),
@@ -154,10 +213,12 @@ def main():
             sampler = getattr(loader.batch_sampler, "batch_sampler", loader.batch_sampler)
             pairs_per_batch = [len(b) for b in sampler] if "packing" in run else []
             trainer.train()
-            losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+            logs = [log for log in trainer.state.log_history if "loss" in log]
+            losses = [log["loss"] for log in logs]
             weights = full_weights(trainer)
             results[f"{run}/{label}"] = {
                 "losses": losses,
+                "logs": logs,
                 "partitioning": partitioning(trainer),
                 "world": trainer.args.world_size,
                 "pairs_per_batch": pairs_per_batch,

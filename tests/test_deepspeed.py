@@ -2,7 +2,9 @@
 trainer under the same config, from the same weights on the same data, log the same losses and reach the same weights
 (gathered from the partitions); the parameters (ZeRO-3) or the optimizer state (ZeRO-2) really are partitioned.
 Packing under ZeRO-3 (ranks hold different numbers of pairs) equals stock TRL on one process taking each step's pairs
-as one ordinary batch. The child is tests/deepspeed_train.py. DeepSpeed is in the `test` extra, so CI runs these."""
+as one ordinary batch. KTO, ORPO and CPO: every logged number and the trained weights equal stock's under the same
+launch (one per stage for the three). The child is tests/deepspeed_train.py. DeepSpeed is in the `test` extra, so CI
+runs these."""
 
 import json
 import subprocess
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_distributed import _failure, _free_port
+from test_distributed import STOCK_LIKE_KINDS, _failure, _free_port, assert_run_equals_stock
 
 
 pytestmark = pytest.mark.long  # starts other processes: `bash scripts/test.sh --all`
@@ -99,3 +101,30 @@ def test_deepspeed_zero_two_processes_equal_stock(tmp_path, stage):
     _assert_same_run(
         tmp_path, "dpo-replay-stock", "dpo-packing-ours", replay["losses"], ranks[0]["dpo-packing/ours"]["losses"]
     )
+
+
+@pytest.fixture(scope="module")
+def stock_like_launch(tmp_path_factory):
+    """`launch(stage)`: one 2-process launch per ZeRO stage training KTO, ORPO and CPO, stock then shared, in the same
+    processes (made once, shared by the tests of that stage): (its folder, what each rank wrote)."""
+    launches = {}
+
+    def launch(stage: int):
+        if stage not in launches:
+            out = tmp_path_factory.mktemp(f"zero{stage}")
+            launches[stage] = out, _launch(out, stage, 2, ",".join(STOCK_LIKE_KINDS))
+        return launches[stage]
+
+    return launch
+
+
+@pytest.mark.parametrize("kind", STOCK_LIKE_KINDS)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_kto_orpo_cpo_equal_stock(stock_like_launch, stage, kind):
+    """KTO (its KL term on), ORPO and CPO (`loss_type="sigmoid"`) under ZeRO-2/3 on 2 processes: prefix sharing logs
+    stock TRL's numbers on every line and reaches its weights (gathered from the partitions), with the parameters
+    (ZeRO-3) or the optimizer state really partitioned."""
+    out, ranks = stock_like_launch(stage)
+    assert_run_equals_stock(out, ranks, kind)
+    for rank in ranks:
+        _assert_partitioned(rank[f"{kind}/ours"]["partitioning"], stage)

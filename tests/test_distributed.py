@@ -1,6 +1,7 @@
 """2-process CPU runs (gloo, torchrun). With packing: an epoch finishes with equal batch counts on both ranks though
 they hold different numbers of pairs, every example seen exactly once, same logged losses. With sharing: the same
-losses as one process with the same global batch."""
+losses as one process with the same global batch. KTO, ORPO and CPO: stock TRL's logged numbers and trained weights
+under the same 2-process launch."""
 
 import json
 import socket
@@ -9,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from equivalence import assert_same_eval_metrics
+import torch
+from equivalence import assert_same_eval_metrics, assert_same_number
 
 
 pytestmark = pytest.mark.long  # starts other processes: `bash scripts/test.sh --all`
@@ -117,3 +119,56 @@ def test_packed_evaluation_on_two_processes_equals_one(tmp_path, kind):
     double = [rank["metrics"] for rank in _launch(tmp_path / "two", 2, "--kind", kind, "--evaluate", 1)]
     assert_same_eval_metrics(double[0], double[1], rel=0, abs=0)  # both ranks log the same
     assert_same_eval_metrics(single, double[0], rel=1e-5, abs=1e-7)
+
+
+#: logged values that are wall-clock timings (they differ between runs and ranks), not numbers of the training
+TIMINGS = ("runtime", "per_second", "step_time")
+#: the trainers `tests/deepspeed_train.py` trains like TRL's own classes in one launch, stock and shared
+STOCK_LIKE_KINDS = ("kto", "orpo", "cpo")
+
+
+def _numbers(log: dict) -> dict:
+    return {key: value for key, value in log.items() if not any(word in key for word in TIMINGS)}
+
+
+def assert_run_equals_stock(out: Path, ranks: list[dict], kind: str, min_per_line: int = 8) -> None:
+    """Run `<kind>/ours` of `tests/deepspeed_train.py` (prefix sharing, start-up check on) logged every number of
+    every line that `<kind>/stock` logged under the same launch (timings aside: the loss, every metric, `grad_norm`),
+    the same on every rank, and reached stock's trained weights (rank 0's `<kind>-<label>.pt`)."""
+    stock, ours = f"{kind}/stock", f"{kind}/ours"
+    for rank in ranks:
+        assert rank[ours]["world"] == len(ranks)
+        assert [_numbers(log) for log in rank[ours]["logs"]] == [_numbers(log) for log in ranks[0][ours]["logs"]]
+    expected, got = ranks[0][stock]["logs"], ranks[0][ours]["logs"]
+    assert len(expected) == len(got) >= 2
+    for step, (line, got_line) in enumerate(zip(expected, got, strict=True), start=1):
+        numbers = _numbers(line)
+        assert set(got_line) == set(line) and len(numbers) >= min_per_line, (sorted(line), sorted(got_line))
+        for key, value in numbers.items():
+            assert_same_number(got_line[key], value, f"step {step}, {key}", atol=1e-6, rtol=1e-5)
+    before, after = torch.load(out / f"{kind}-stock.pt"), torch.load(out / f"{kind}-ours.pt")
+    assert before and set(before) == set(after)
+    for name, weight in before.items():
+        assert weight.numel() > 0
+        torch.testing.assert_close(after[name], weight, atol=1e-6, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    if kind == "kto":  # its `kl` term (a batch mean gathered across ranks, clamped at 0) compared where it is not 0
+        assert max(line["kl"] for line in expected) > 0
+    for rank in ranks:  # the start-up check ran on every rank (the policy under the launch's wrapper) and passed
+        assert (rank[ours]["check"] or "").startswith("shared vs stock"), rank[ours]["check"]
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    """One 2-process DDP launch (`tests/deepspeed_train.py` without DeepSpeed) training KTO, ORPO and CPO, stock
+    then shared, in the same processes: (its folder, what each rank wrote)."""
+    out = tmp_path_factory.mktemp("ddp")
+    _torchrun("deepspeed_train.py", 2, "--out", out, "--runs", ",".join(STOCK_LIKE_KINDS), timeout=420)
+    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("kind", STOCK_LIKE_KINDS)
+def test_two_processes_equal_stock_in_the_same_launch(ddp_runs, kind):
+    """KTO (its KL term on: a batch statistic gathered across ranks), ORPO and CPO (`loss_type="sigmoid"`) under
+    2-process DDP (gloo): stock TRL and prefix sharing, trained one after the other in the same processes from the
+    same weights on the same batches, log the same numbers and reach the same weights."""
+    assert_run_equals_stock(*ddp_runs, kind)

@@ -1,11 +1,23 @@
-"""Long-run hardening: resume mid-epoch with packing, bf16 tolerance, QLoRA."""
+"""Long-run hardening: resume from a mid-run checkpoint (packing; and DPO, reward, KTO, ORPO, CPO, GRPO as stock
+resumes), bf16 tolerance, QLoRA."""
 
 import json
 
 import pytest
 import torch
 import trl
-from equivalence import awkward_text_dataset, compare_step, dpo_args, leaky_dpo_mask, make_trainers
+from equivalence import (
+    assert_same_number,
+    assert_same_training,
+    awkward_text_dataset,
+    compare_step,
+    dpo_args,
+    leaky_dpo_mask,
+    make_reward_trainers,
+    make_trainers,
+    tie_free_text_dataset,
+    train_and_evaluate,
+)
 
 from trl_prefix_sharing import DPOTrainer
 from trl_prefix_sharing.testing import FAMILIES, make_model, synthetic_pairs
@@ -51,6 +63,118 @@ def test_resume_mid_epoch_sees_the_same_batches(tmp_path, tokenizer):
         assert got[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6), step
     config = json.loads(open(f"{checkpoint}/config.json").read())
     assert not any("attn" in key for key in config)
+
+
+#: the runs of `test_resume_from_checkpoint_as_stock_resumes`: this many steps, a checkpoint after `RESUME_FROM`
+RESUME_STEPS, RESUME_FROM = 4, 2
+#: logged values that are wall-clock timings, not numbers of the training
+TIMINGS = ("runtime", "per_second", "step_time", "total_flos")
+#: a running total only prefix sharing logs -> stock's running total it continues (or restarts) like on resume
+RUNNING_TOTALS = {"num_shared_tokens": "num_tokens"}
+
+
+def _stock_and_ours(kind: str, directory, tokenizer) -> list:
+    """(stock TRL's trainer, ours with `prefix_sharing=True`) of `kind` from identical weights and data, in batches of
+    2 (the checkpoint is mid-epoch), saving a checkpoint every `RESUME_FROM` steps. SGD with momentum: an optimizer
+    state to restore, at a fraction of the cost of the default fused AdamW here (about 0.2 s a step on 2 busy CPUs)."""
+    fields = dict(max_steps=RESUME_STEPS, save_strategy="steps", save_steps=RESUME_FROM)
+    fields.update(optim="sgd", optim_args="momentum=0.9", learning_rate=0.05, gradient_checkpointing=False)
+    if kind == "grpo":  # two prompts of 4 generations per step
+        from group_equivalence import make_group_trainer, prompt_dataset, save_model
+
+        path = save_model(directory, "llama", tokenizer)
+        return [
+            make_group_trainer("grpo", ours, path, prompt_dataset(), tokenizer, directory, **fields)
+            for ours in (False, True)
+        ]
+    fields["per_device_train_batch_size"] = 2
+    if kind == "kto":  # the KL term on (sequential batches)
+        from test_kto_equivalence import make_trainers as make_kto_trainers
+        from test_kto_equivalence import unpaired_dataset
+
+        return make_kto_trainers(directory, tokenizer, unpaired_dataset(), **fields)
+    if kind in ("orpo", "cpo"):
+        from test_orpo_cpo_equivalence import make_trainers as make_paired_trainers
+
+        options = {"loss_type": "sigmoid"} if kind == "cpo" else {}
+        return make_paired_trainers(directory, kind, tokenizer, tie_free_text_dataset(), **fields, **options)
+    make = make_trainers if kind == "dpo" else make_reward_trainers
+    return make(directory, "llama", tie_free_text_dataset(), tokenizer, **fields)
+
+
+def _lines_after_checkpoint(trainer) -> dict:
+    """Step -> every number of its training log line (timings aside: the loss, each metric, `grad_norm`), for the
+    steps after the checkpoint (a resumed trainer's history starts with the checkpoint's lines)."""
+    return {
+        log["step"]: {key: value for key, value in log.items() if not any(word in key for word in TIMINGS)}
+        for log in trainer.state.log_history
+        if "loss" in log and log["step"] > RESUME_FROM
+    }
+
+
+def _close(got, expected, atol=1e-5, rtol=1e-4) -> bool:
+    return abs(got - expected) <= atol + rtol * abs(expected)
+
+
+def _assert_same_lines(expected: dict, got: dict, keys, what: str, atol=1e-5, rtol=1e-4) -> None:
+    """`got` logged, on the steps of `expected`, each of `keys` (all of `expected`'s when None) as `expected` did."""
+    assert sorted(expected) == list(range(RESUME_FROM + 1, RESUME_STEPS + 1)) and sorted(got) == sorted(expected)
+    for step, line in expected.items():
+        compared = [key for key in line if keys is None or key in keys]
+        assert "loss" in compared and len(compared) >= 5 and set(compared) <= set(got[step]), (what, step, compared)
+        for key in compared:
+            assert_same_number(got[step][key], line[key], f"{what}, step {step}, {key}", atol, rtol)
+
+
+def _assert_same_weights(expected, got, what: str, atol=1e-5, rtol=1e-4) -> None:
+    weights = {name: p.detach() for name, p in expected.model.named_parameters() if p.requires_grad}
+    got_weights = {name: p.detach() for name, p in got.model.named_parameters() if p.requires_grad}
+    assert weights and set(got_weights) == set(weights)
+    for name, weight in weights.items():
+        assert weight.numel() > 0
+        torch.testing.assert_close(
+            got_weights[name], weight, atol=atol, rtol=rtol, msg=lambda m, name=name: f"{what}, {name}: {m}"
+        )
+
+
+@pytest.mark.parametrize("kind", ["dpo", "reward", "kto", "orpo", "cpo", "grpo"])
+def test_resume_from_checkpoint_as_stock_resumes(tmp_path, tokenizer, kind):
+    """Stock TRL and prefix sharing each train `RESUME_STEPS` steps with a mid-epoch checkpoint after `RESUME_FROM`;
+    fresh trainers resume from those checkpoints (the same global seed before each `train()`, as a script sets it:
+    the random sampler's order is drawn from it). The resumed shared run logs the same numbers on the later steps and
+    ends on the same weights as (b) stock TRL resumed the same way, and as (a) the uninterrupted shared run: every
+    number but those stock's own resume does not reproduce (a cumulative counter TRL restarts, such as KTO's and the
+    reward trainer's `num_tokens`). Its checkpoint's model config is stock's."""
+    full = _stock_and_ours(kind, tmp_path / "full", tokenizer)
+    for trainer in full:
+        torch.manual_seed(0)
+        trainer.train()
+    assert "prefix_sharing" not in type(full[0]).__module__ and "prefix_sharing" in type(full[1]).__module__
+    checkpoints = [f"{trainer.args.output_dir}/checkpoint-{RESUME_FROM}" for trainer in full]
+    configs = [json.loads(open(f"{checkpoint}/config.json").read()) for checkpoint in checkpoints]
+    assert configs[0] and configs[1] == configs[0]
+    resumed = _stock_and_ours(kind, tmp_path / "resumed", tokenizer)
+    for trainer, checkpoint in zip(resumed, checkpoints, strict=True):
+        torch.manual_seed(0)
+        trainer.train(resume_from_checkpoint=checkpoint)
+    (stock_full, ours_full), (stock_resumed, ours_resumed) = (
+        [_lines_after_checkpoint(trainer) for trainer in runs] for runs in (full, resumed)
+    )
+    # (b): every number stock logs; ours may log more (e.g. GRPO's `num_shared_tokens`)
+    _assert_same_lines(stock_resumed, ours_resumed, None, "ours resumed vs stock resumed")
+    _assert_same_weights(resumed[0], resumed[1], "ours resumed vs stock resumed")
+    # (a): stock's numbers that its own resume reproduces (the loss among them), and every number only ours logs;
+    # ours' running total of computed positions resumes as stock's `num_tokens` does
+    not_reproduced = {
+        key
+        for step, line in stock_full.items()
+        for key, value in line.items()
+        if not _close(stock_resumed[step][key], value)
+    }
+    not_reproduced |= {ours for ours, stock in RUNNING_TOTALS.items() if stock in not_reproduced}
+    keys = {key for line in ours_full.values() for key in line} - not_reproduced
+    _assert_same_lines(ours_full, ours_resumed, keys, "ours resumed vs ours uninterrupted")
+    _assert_same_weights(full[1], resumed[1], "ours resumed vs ours uninterrupted")
 
 
 #: bf16 tolerance on per-pair summed log-probs (nats, absolute: a relative one would grow with the sum, 1e-2 of a
@@ -159,3 +283,20 @@ def test_qlora_4bit_matches_stock(tmp_path, tokenizer):
     _, shared = compare_step(*trainers, grad_tolerances={"atol": 1e-4, "rtol": 1e-2})
     assert shared["grads"] and all("lora" in name for name in shared["grads"])
     assert trainers[1].sharing.model_check_result.passed  # the start-up check runs on the quantized PEFT model too
+
+
+def test_kto_batch_moved_as_a_copy_still_shares_its_prompts(tmp_path, tokenizer, monkeypatch):
+    """Under several CPU processes `accelerator.device` is `cpu:0`, and TRL's KTO moves the batch there as a copy: the
+    merged KL pass must still find its rows (before the fix its KL log-probs stayed at the placeholder's zeros)."""
+    import accelerate
+    from test_kto_equivalence import make_trainers as make_kto_trainers
+    from test_kto_equivalence import unpaired_dataset
+
+    from trl_prefix_sharing import KTOTrainer
+
+    monkeypatch.setattr(accelerate.Accelerator, "device", property(lambda self: torch.device("cpu", 0)))
+    stock, shared = make_kto_trainers(tmp_path, tokenizer, unpaired_dataset(), ours={"prefix_sharing_merge_kl": True})
+    assert isinstance(shared, KTOTrainer) and stock.accelerator.device == torch.device("cpu", 0)
+    runs = [train_and_evaluate(trainer) for trainer in (stock, shared)]
+    assert any(log.get("kl", 0) > 0 for log in runs[0][0])
+    assert_same_training(*runs, ours_only=("num_shared_tokens",))

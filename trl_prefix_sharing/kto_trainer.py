@@ -83,6 +83,19 @@ class _Rows:
     def __init__(self, input_ids, attention_mask, completion_mask):
         self.input_ids, self.attention_mask, self.completion_mask = input_ids, attention_mask, completion_mask
 
+    def holds(self, input_ids) -> bool:
+        """Whether a model call's `input_ids` are these rows: the same tensor, or, on the CPU, a copy of it (TRL moves
+        the batch to `accelerator.device`, and a CPU tensor moved to `cpu:0` under several processes is a copy; on an
+        accelerator the batch is there already and moves as itself, so no comparison reads back from the device)."""
+        if input_ids is self.input_ids:
+            return True
+        return (
+            isinstance(input_ids, torch.Tensor)
+            and input_ids.device.type == "cpu" == self.input_ids.device.type
+            and input_ids.shape == self.input_ids.shape
+            and torch.equal(input_ids, self.input_ids)
+        )
+
     @property
     def labels(self) -> torch.Tensor:
         return self.input_ids.masked_fill(self.completion_mask == 0, -100)  # TRL's completion labels
@@ -146,13 +159,13 @@ class _SharedKTOBatch:
     def route(self, model, kwargs: dict):
         """The layout of a fused call's rows, or its part of a merged pass (see the module docstring)."""
         input_ids = kwargs.get("input_ids")
-        if input_ids is self.main.input_ids:
+        if self.main.holds(input_ids):
             if model in self.pending:
                 return self._merged(model, kwargs, fill=self.pending.pop(model))
             if self.kl is not None and self.stash_kl and not torch.is_grad_enabled():
                 return self._merged(model, kwargs, fill=None)
             return self._layout("main")
-        if self.kl is not None and input_ids is self.kl.input_ids:
+        if self.kl is not None and self.kl.holds(input_ids):
             answer = self.answers.pop(model, None)
             return answer if answer is not None else self._layout("kl")
         return None  # rows this batch does not hold: stock
@@ -246,13 +259,19 @@ class KTOTrainer(PrefixSharingMixin, trl.KTOTrainer):
         if self._is_vision_dataset:
             raise ValueError("Prefix sharing for KTO is text-only; train vision data with `prefix_sharing=False`.")
         self.sharing.attach()  # the routed calls reach the models through the shared forward
-        self._shared_batch = _SharedKTOBatch(self.sharing, inputs, stash_kl)
+        self._shared_batch = shared = _SharedKTOBatch(self.sharing, inputs, stash_kl)
         self.sharing.router = self._route
         try:
             yield
         finally:
             self.sharing.router = None
             self._shared_batch = None
+        if shared.pending:  # a deferred KL pass that no main call ran: never train on its placeholder
+            raise RuntimeError(
+                "Prefix sharing for KTO deferred the KL rows' log-probs to the main rows' pass, but no model call of "
+                "this step held the batch's main rows, so they were never computed. Train with "
+                "`prefix_sharing=False`, and report this with your TRL and transformers versions."
+            )
 
     def _route(self, model, kwargs):
         return None if self._shared_batch is None else self._shared_batch.route(unwrap_model(model), kwargs)

@@ -116,6 +116,23 @@ def check_architecture(config, trainer_name: str, supports_vision: bool) -> str 
     return check_supported_model(config)
 
 
+def check_forward_in_place(models, use_liger_kernel: bool = False) -> None:
+    """At the start of training: refuse to train where something replaced the shared forward of one of `models` after
+    it was installed (it would stop sharing prefixes without a word, or fail at its first layout)."""
+    for model in models:
+        if not has_prefix_sharing_forward(model):
+            cause = (
+                "`use_liger_kernel=True`: transformers applies Liger's kernels at the start of `train()`, and its "
+                "patch of this model replaced the forward"
+                if use_liger_kernel
+                else "something patched the model's forward after the trainer was built"
+            )
+            raise RuntimeError(
+                f"Prefix sharing's forward of {type(model).__name__} is no longer in place ({cause}), so training "
+                "would not share prefixes. Drop that patch, or train with `prefix_sharing=False`."
+            )
+
+
 def active_dropout(model) -> str | None:
     """Where `model` still drops out in training (a `Dropout` module, or an attention module's dropout rate), or
     None. Dropout draws a random mask per position of the rows the model runs, and the shared rows have other
@@ -228,22 +245,6 @@ class PrefixSharing:
                 put_back_own(model, "forward", _UNFUSED)
         self._switch.restore()
         self.attached = False
-
-    def check_forward_in_place(self, use_liger_kernel: bool = False) -> None:
-        """At the start of training: refuse to train where something replaced the shared forward after it was
-        installed (it would stop sharing prefixes without a word, or fail at its first layout)."""
-        for model in self.models:
-            if not has_prefix_sharing_forward(model):
-                cause = (
-                    "`use_liger_kernel=True`: transformers applies Liger's kernels at the start of `train()`, "
-                    "and its patch of this model replaced the forward"
-                    if use_liger_kernel
-                    else "something patched the model's forward after the trainer was built"
-                )
-                raise RuntimeError(
-                    f"Prefix sharing's forward of {type(model).__name__} is no longer in place ({cause}), so training "
-                    "would not share prefixes. Drop that patch, or train with `prefix_sharing=False`."
-                )
 
     # ----------------------------------------------------------------------------------------------- batches
     def collator(self, base_collator, share_prefix: bool = True) -> PrefixSharingCollator:
@@ -441,7 +442,7 @@ class _ForwardInPlace(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         trainer = self._trainer()
         if trainer is not None and trainer.sharing is not None:
-            trainer.sharing.check_forward_in_place(getattr(args, "use_liger_kernel", False))
+            check_forward_in_place(trainer.sharing.models, getattr(args, "use_liger_kernel", False))
 
 
 class PrefixSharingMixin:
