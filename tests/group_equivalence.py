@@ -42,6 +42,13 @@ def reward_digits(completions, **kwargs):
     return [float(sum(ch.isdigit() for ch in (c if isinstance(c, str) else c[0]["content"]))) for c in completions]
 
 
+def ending_early(tokenizer, bias=3.0) -> dict:
+    """`generation_kwargs` that raise EOS's logit by `bias` while sampling (transformers' `sequence_bias`): a random
+    tiny model then ends some completions early and runs others to `max_completion_length`, so completions have
+    unequal lengths and some are truncated."""
+    return {"sequence_bias": [[[tokenizer.eos_token_id], bias]]}
+
+
 def save_model(directory, family, tokenizer, seed=0, **config_kwargs) -> str:
     """A tiny model of `family` saved with the tokenizer (GRPO reloads the reference from the path when `beta > 0`)."""
     path = str(directory / family)

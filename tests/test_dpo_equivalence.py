@@ -3,14 +3,18 @@
 import pytest
 import torch
 from equivalence import (
+    assert_same_eval_metrics,
     assert_same_step,
+    assert_same_training,
     awkward_text_dataset,
     compare_step,
     conversational_dataset,
     leaky_dpo_mask,
     make_trainers,
     step,
+    train_and_evaluate,
 )
+from test_mixed_precision import BF16_ATOL, BF16_RTOL
 
 import trl_prefix_sharing.attention as attention_module
 from trl_prefix_sharing.testing import FAMILIES, synthetic_pairs
@@ -20,7 +24,16 @@ DATA = {
     "awkward_text": lambda: (awkward_text_dataset(), {}),
     "truncated_keep_start": lambda: (awkward_text_dataset(), {"max_length": 12}),
     "conversational_multiturn": lambda: (conversational_dataset(), {"max_length": 40}),
+    "pad_to_multiple_of_8": lambda: (awkward_text_dataset(), {"pad_to_multiple_of": 8}),
 }
+
+
+def assert_padded_to_multiple(stock_batch, layout, multiple):
+    """`pad_to_multiple_of` took effect: stock's rows are padded to a multiple wider than their longest row, and the
+    shared rows' width is a multiple too."""
+    width = stock_batch["input_ids"].shape[1]
+    assert width % multiple == 0 and stock_batch["attention_mask"].sum(1).max() < width, width
+    assert layout["input_ids"].shape[1] % multiple == 0, layout["input_ids"].shape
 
 
 @pytest.mark.parametrize("data", list(DATA))
@@ -28,9 +41,11 @@ DATA = {
 def test_step_matches_stock(tmp_path, tokenizer, family, data):
     dataset, overrides = DATA[data]()
     stock, shared = make_trainers(tmp_path, family, dataset, tokenizer, **overrides)
-    _, result = compare_step(stock, shared)
+    stock_result, result = compare_step(stock, shared)
     layout = result["batch"]["prefix_sharing"]
     assert (layout["document_ids"] >= 0).sum() < result["batch"]["attention_mask"].sum()
+    if "pad_to_multiple_of" in overrides:  # stock's rows padded past the longest one; the shared rows rounded alike
+        assert_padded_to_multiple(stock_result["batch"], layout, overrides["pad_to_multiple_of"])
 
 
 def test_truncation_keep_end_matches_stock(tmp_path, tokenizer):
@@ -198,6 +213,69 @@ def test_training_and_evaluation_match_stock(tmp_path, tokenizer, gradient_check
         if "runtime" in key or "per_second" in key:
             continue
         assert shared_eval[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+
+
+def count_grad_free_training_forwards(model) -> dict:
+    """Calls of the first decoder layer's MLP in training mode with gradients off: the first forward of a reentrant
+    activation checkpoint (a non-reentrant one, its recomputation and a plain training forward run with gradients on;
+    transformers checkpoints the layer's `forward`, inside its hooks, so the hook is on a submodule)."""
+    counts = {"calls": 0}
+
+    def hook(module, args):
+        counts["calls"] += module.training and not torch.is_grad_enabled()
+
+    model.model.layers[0].mlp.register_forward_pre_hook(hook)
+    return counts
+
+
+#: options of a short training run, each with a check that it took effect (in `test_training_options_match_stock`)
+TRAINING_OPTIONS = {
+    "reentrant_checkpointing": {
+        "gradient_checkpointing": True,
+        "gradient_checkpointing_kwargs": {"use_reentrant": True},
+    },
+    "sync_ref_model": {"sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.5},
+}
+
+
+@pytest.mark.parametrize("option", list(TRAINING_OPTIONS))
+def test_training_options_match_stock(tmp_path, tokenizer, option):
+    """Two training steps and an evaluation with `option` log stock's numbers and train stock's weights.
+    `reentrant_checkpointing`: the policy's layers run in reentrant checkpoints in the shared passes too.
+    `sync_ref_model`: the reference is mixed from the policy after every step, so the second step and the evaluation
+    score against new reference weights, the same in both runs."""
+    data = synthetic_pairs(8, (1, 12), (1, 4), seed=6)
+    stock, shared = make_trainers(
+        tmp_path,
+        "llama",
+        data,
+        tokenizer,
+        eval_dataset=data,
+        max_steps=2,
+        learning_rate=1e-2,
+        **TRAINING_OPTIONS[option],
+    )
+    initial_reference = {name: param.detach().clone() for name, param in stock.ref_model.named_parameters()}
+    counts = [count_grad_free_training_forwards(trainer.model) for trainer in (stock, shared)]
+    results = [train_and_evaluate(trainer) for trainer in (stock, shared)]
+    assert_same_training(*results, ours_only=("num_shared_tokens",))
+    if option == "reentrant_checkpointing":
+        assert counts[0]["calls"] > 0 and counts[1]["calls"] > 0, counts
+    synced = dict(shared.ref_model.named_parameters())
+    for name, param in stock.ref_model.named_parameters():
+        torch.testing.assert_close(synced[name], param, atol=1e-5, rtol=1e-4)
+    moved = any(not torch.equal(param, initial_reference[name]) for name, param in stock.ref_model.named_parameters())
+    assert moved == (option == "sync_ref_model")
+
+
+def test_bf16_full_eval_matches_stock_to_bf16_round_off(tmp_path, tokenizer):
+    """`bf16_full_eval=True`: the evaluation casts the policy to bf16, without autocast (the reference stays as TRL
+    prepared it); the evaluation metrics equal stock's to bf16 round-off (the tolerances of `test_mixed_precision`)."""
+    data = synthetic_pairs(8, (1, 40), (1, 8), seed=6)
+    stock, shared = make_trainers(tmp_path, "llama", data, tokenizer, eval_dataset=data, bf16_full_eval=True)
+    stock_eval, shared_eval = stock.evaluate(), shared.evaluate()
+    assert stock.model.dtype == shared.model.dtype == torch.bfloat16
+    assert_same_eval_metrics(stock_eval, shared_eval, rel=BF16_RTOL, abs=BF16_ATOL)
 
 
 def test_prefix_sharing_off_is_stock(tmp_path, tokenizer):

@@ -1,11 +1,14 @@
 """GRPO and RLOO with prefix sharing compute stock TRL's numbers: log-probs and gradients of crafted batches, and whole
 training runs (same sampled completions, every logged metric per step, final weights)."""
 
+import re
+
 import pytest
 import torch
 import trl
 from group_equivalence import (
     assert_same_runs,
+    ending_early,
     make_group_trainer,
     prompt_dataset,
     save_model,
@@ -108,6 +111,29 @@ def test_wrong_mask_fails(tmp_path, tokenizer, model_dirs, monkeypatch):
         torch.testing.assert_close(logps_and_grads(shared, input_ids, attention_mask, keep)[0], expected)
 
 
+def test_entropy_quantile_keeps_stocks_ties(tmp_path, tokenizer, model_dirs):
+    """`top_entropy_quantile` keeps the tokens whose entropy is at or above a quantile of the batch's. Stock's rows
+    that share every token before a column have exactly equal entropies there; the shared rows compute the first
+    token of a branch once per branch, equal to round-off, so a quantile that falls on such a tie kept other tokens
+    than stock. `tie_like_stock` restores stock's ties: at every quantile the kept tokens are stock's. Left as
+    computed (`top_entropy_quantile=1` skips the ties), some quantiles of this batch keep others."""
+    input_ids, attention_mask, keep = crafted_batch(tokenizer)
+    mask = attention_mask[:, -keep:]
+    quantiles = torch.linspace(0.005, 0.995, 199).tolist()
+
+    def kept(ours, quantile):
+        trainer = make_group_trainer(
+            "grpo", ours, model_dirs["llama"], prompt_dataset(), tokenizer, tmp_path, top_entropy_quantile=quantile
+        )
+        entropies = logps_and_grads(trainer, input_ids, attention_mask, keep)[1]
+        assert (entropies * mask).sum() > 0
+        return [trainer.get_high_entropy_mask(entropies, mask, q) for q in quantiles]
+
+    expected, got, untied = kept(False, 0.5), kept(True, 0.5), kept(True, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(expected, untied, strict=True))
+
+
 def test_shuffle_keeps_groups_and_the_random_stream(tokenizer):
     input_ids, attention_mask, keep = crafted_batch(tokenizer)
     batch = {
@@ -159,10 +185,10 @@ def test_grpo_training_matches_stock(tmp_path, tokenizer, model_dirs, family):
 @pytest.mark.parametrize(
     "setting",
     [
-        # a quantile whose threshold is not one of the exact ties stock has at the first completion token of a
-        # prompt's generations (the "fp32" note of docs/guide.md: the shared rows compute those once per branch)
-        {"loss_type": "grpo", "top_entropy_quantile": 0.3},
-        {"beta": 0.1},
+        # a quantile whose threshold falls on one of the exact ties stock has where a prompt's generations part (see
+        # `test_entropy_quantile_keeps_stocks_ties`): without `tie_like_stock` the loss differs from step 2 on
+        {"top_entropy_quantile": 0.5},
+        {"beta": 0.1, "entropy_coef": 0.1},  # the entropy bonus: gradients through the shared rows' entropies
         {"num_iterations": 2, "beta": 0.1, "loss_type": "bnpo"},
         {"conversational": True, "beta": 0.05},
         {"mask_truncated_completions": True, "max_completion_length": 3, "scale_rewards": "batch"},
@@ -176,9 +202,70 @@ def test_grpo_options_match_stock(tmp_path, tokenizer, model_dirs, setting):
     assert_same_runs(stock, shared)
 
 
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_truncated_completions_masked_as_in_stock(tmp_path, tokenizer, model_dirs, kind):
+    """`mask_truncated_completions=True`, with completions that end (EOS) and completions cut at
+    `max_completion_length` in the same steps: the cut ones get an all-zero completion mask in TRL's rows, and the
+    shared rows give every number stock does."""
+    stock, shared = run_pair(
+        kind,
+        tmp_path,
+        model_dirs["qwen2"],
+        tokenizer,
+        mask_truncated_completions=True,
+        generation_kwargs=ending_early(tokenizer),
+    )
+    assert any(0 < log["completions/clipped_ratio"] < 1 for log in stock[0])  # some cut, some ended
+    assert_same_runs(stock, shared)
+
+
 def test_rloo_with_reference_matches_stock(tmp_path, tokenizer, model_dirs):
     stock, shared = run_pair("rloo", tmp_path, model_dirs["mistral"], tokenizer, beta=0.1, num_iterations=2)
     assert_same_runs(stock, shared)
+
+
+# ----------------------------------------------------------------------------------------------- every loss type
+#: every `loss_type` of TRL 1.16's `GRPOConfig` (RLOO has a single loss and no `loss_type`), with the fields it is
+#: meant for: `luspo` sequence-level ratios (the paper's setup; TRL warns without); `cispo` clamps the ratio itself at
+#: `epsilon_high`, set between the ratios of the second iteration so that some are clamped
+GRPO_LOSS_TYPES = {
+    "grpo": {},
+    "dr_grpo": {},
+    "dapo": {},
+    "bnpo": {},
+    "cispo": {"epsilon_high": 1.0},
+    "sapo": {},
+    "luspo": {"importance_sampling_level": "sequence"},
+    "vespo": {},
+}
+#: the metric that shows each loss type saw ratios other than 1 (clipped tokens, clamped ratios, gamma weights)
+RATIO_METRIC = {"cispo": "cispo_clip_ratio", "vespo": "vespo/phi_seq_mean", "sapo": None}
+
+
+def test_every_grpo_loss_type_is_tested():
+    """The loss types TRL's `GRPOConfig` documents as supported are exactly those tested below (a loss type a later
+    TRL adds fails here until it is tested)."""
+    help_text = trl.GRPOConfig.__dataclass_fields__["loss_type"].metadata["help"]
+    supported = help_text.split("Supported values are", 1)[1].split(". ", 1)[0]
+    assert set(re.findall(r"'(\w+)'", supported)) == set(GRPO_LOSS_TYPES)
+
+
+@pytest.mark.parametrize("loss_type", [*GRPO_LOSS_TYPES, "grpo-sequence"])
+def test_grpo_loss_types_match_stock(tmp_path, tokenizer, model_dirs, loss_type):
+    """Every loss type (and GSPO: `grpo` with sequence-level ratios), two iterations over one generation batch: the
+    second step's ratios are the updated policy's log-probs over the shared old-policy pass's, far enough from 1 (a
+    small `epsilon`) that clipping, clamping and gating act."""
+    name, _, level = loss_type.partition("-")
+    setting = dict(GRPO_LOSS_TYPES[name], loss_type=name, num_iterations=2, epsilon=0.01)
+    setting["generation_kwargs"] = ending_early(tokenizer)  # unequal lengths: the normalisations differ
+    if level:
+        setting["importance_sampling_level"] = level
+    stock, shared = run_pair("grpo", tmp_path, model_dirs["qwen3"], tokenizer, **setting)
+    assert_same_runs(stock, shared)
+    metric = RATIO_METRIC.get(name, "clip_ratio/region_mean")
+    if metric is not None:  # the second iteration's ratios are not all 1
+        first, second = (log[metric] for log in stock[0])
+        assert second != first, (metric, first, second)
 
 
 def test_lora_matches_stock(tmp_path, tokenizer, model_dirs):
@@ -212,7 +299,8 @@ def test_generation_runs_on_the_models_own_attention(tmp_path, tokenizer, model_
         seen.clear()
         runs.append(train(trainer))
         assert len(seen) == 2 and set(seen) == {"eager"}, seen  # one generation per step
-    assert trainer.sharing.attn_implementation == "sdpa" and trainer.model.config._attn_implementation == "sdpa"
+    assert trainer.sharing.attn_implementation == "sdpa"
+    assert trainer.model.config._attn_implementation == "eager"  # as TRL left it, after `train()`
     assert_same_runs(*runs)
     trainer.remove_prefix_sharing()
     assert trainer.model.config._attn_implementation == "eager" and "generate" not in trainer.model.__dict__

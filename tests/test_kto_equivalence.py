@@ -116,21 +116,80 @@ SETTINGS = {
     "precomputed-reference": ({"precompute_ref_log_probs": True}, {"prefix_sharing_merge_kl": True}),
     "truncated": ({"max_length": 12}, {"prefix_sharing_merge_kl": True}),
     "weights": ({"desirable_weight": 1.5, "undesirable_weight": 0.5, "beta": 0.3}, {}),
+    "pad-to-multiple-of-8": ({"pad_to_multiple_of": 8}, {"prefix_sharing_merge_kl": True}),
+    "precomputed-reference-batch-size-3": (
+        {"precompute_ref_log_probs": True, "precompute_ref_batch_size": 3},
+        {"prefix_sharing_merge_kl": True},
+    ),
 }
 
 
+def spy_precompute_batch_sizes(monkeypatch) -> list[int]:
+    """The batch sizes of TRL's reference precomputations (one per dataset and trainer), recorded."""
+    sizes = []
+    precompute = trl.KTOTrainer._precompute_ref_logps
+
+    def recording(self, dataset, name, batch_size):
+        sizes.append(batch_size)
+        return precompute(self, dataset, name, batch_size)
+
+    monkeypatch.setattr(trl.KTOTrainer, "_precompute_ref_logps", recording)
+    return sizes
+
+
+def spy_layout_widths(monkeypatch) -> list[int]:
+    """The widths of the shared rows of every layout built, recorded."""
+    from trl_prefix_sharing.sharing import PrefixSharing
+
+    widths = []
+    layout = PrefixSharing.layout
+
+    def recording(self, *args, **kwargs):
+        result = layout(self, *args, **kwargs)
+        widths.append(result["input_ids"].shape[1])
+        return result
+
+    monkeypatch.setattr(PrefixSharing, "layout", recording)
+    return widths
+
+
+def assert_options_took_effect(options, stock, shared, batches, precompute_batch_sizes, layout_widths):
+    """`pad_to_multiple_of`: stock's main and KL rows padded to a multiple wider than their longest row, every shared
+    row width a multiple. `precompute_ref_log_probs`: the precomputed columns equal stock's, computed in batches of
+    `precompute_ref_batch_size` (train and eval datasets, both trainers)."""
+    multiple = options.get("pad_to_multiple_of")
+    if multiple:
+        for examples in batches:
+            batch = stock.data_collator(examples)
+            for prefix in ("", "KL_"):
+                width = batch[f"{prefix}input_ids"].shape[1]
+                assert width % multiple == 0 and batch[f"{prefix}attention_mask"].sum(1).max() < width, width
+        assert layout_widths and all(width % multiple == 0 for width in layout_widths), layout_widths
+    if options.get("precompute_ref_log_probs"):
+        batch_size = options.get("precompute_ref_batch_size") or stock.args.per_device_train_batch_size
+        assert precompute_batch_sizes == [batch_size] * 4, precompute_batch_sizes
+        for column in ("ref_logps", "ref_KL_logps"):
+            expected = torch.tensor(stock.train_dataset[column])
+            assert expected.numel() == len(stock.train_dataset)
+            torch.testing.assert_close(torch.tensor(shared.train_dataset[column]), expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_batch_matches_stock(tmp_path, tokenizer, setting):
+def test_batch_matches_stock(tmp_path, tokenizer, monkeypatch, setting):
     options, ours = SETTINGS[setting]
+    precompute_batch_sizes = spy_precompute_batch_sizes(monkeypatch)
     stock, shared = make_trainers(tmp_path, tokenizer, unpaired_dataset(), ours=ours, **options)
-    kls = []
+    layout_widths = spy_layout_widths(monkeypatch)
+    kls, batches = [], []
     for start in (0, 4):  # the first two batches
         examples = [shared.train_dataset[i] for i in range(start, start + 4)]
         expected = kto_step(stock, examples)
         assert_same_step(expected, kto_step(shared, examples))
         kls.append(expected[1]["kl"])
+        batches.append(examples)
     if options.get("loss_type", "kto") == "kto":
         assert max(kls) > 0  # the `kl` term (clamped at 0) is compared where it is not the clamp
+    assert_options_took_effect(options, stock, shared, batches, precompute_batch_sizes, layout_widths)
 
 
 def count_backbone_calls(trainer) -> dict:
@@ -188,8 +247,15 @@ def test_wrong_mask_fails(tmp_path, tokenizer, monkeypatch, merge):
         assert_same_step(expected, kto_step(shared, examples))
 
 
-@pytest.mark.parametrize("setting", ["default", "gradient-checkpointing", "lora", "precomputed-reference"])
+@pytest.mark.parametrize(
+    "setting",
+    ["default", "gradient-checkpointing", "lora", "precomputed-reference", "sync-ref-model", "eager-attention"],
+)
 def test_training_matches_stock(tmp_path, tokenizer, setting):
+    """Two steps and an evaluation: every logged number and the trained weights. `sync-ref-model`: the reference is
+    mixed from the policy after every step (the second step and the evaluation score against new reference weights,
+    the same in both runs). `eager-attention`: models loaded with eager attention, which stock runs; the shared passes
+    run on SDPA (the shared mask's implementation on the CPU)."""
     options, peft_config = {}, None
     if setting == "gradient-checkpointing":  # the policy's KL rows in its recomputed gradient pass
         options.update(gradient_checkpointing=True, ours={"prefix_sharing_merge_kl": True})
@@ -200,9 +266,32 @@ def test_training_matches_stock(tmp_path, tokenizer, setting):
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
         options["learning_rate"] = 1e-2
+    if setting == "sync-ref-model":
+        options.update(sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5)
+    if setting == "eager-attention":
+        options["config_kwargs"] = {"attn_implementation": "eager"}
     trainers = make_trainers(tmp_path, tokenizer, unpaired_dataset(), peft_config=peft_config, **options)
+    initial_reference = reference_weights(trainers[0]) if setting == "sync-ref-model" else None
     stock, shared = (train_and_evaluate(trainer) for trainer in trainers)
     assert_same_training(stock, shared)
+    if setting == "sync-ref-model":
+        assert_reference_synced(*trainers, initial_reference)
+    if setting == "eager-attention":
+        assert trainers[0].model.config._attn_implementation == "eager"
+        assert trainers[0].ref_model.config._attn_implementation == "eager"
+        assert trainers[1].sharing.attn_implementation == "sdpa"
+
+
+def reference_weights(trainer) -> dict:
+    return {name: param.detach().clone() for name, param in trainer.ref_model.named_parameters()}
+
+
+def assert_reference_synced(stock, shared, initial: dict) -> None:
+    """The reference's weights moved away from `initial` (synced from the policy), and ours equal stock's."""
+    stock_weights, shared_weights = reference_weights(stock), reference_weights(shared)
+    assert any(not torch.equal(value, initial[name]) for name, value in stock_weights.items())
+    for name, value in stock_weights.items():
+        torch.testing.assert_close(shared_weights[name], value, atol=1e-5, rtol=1e-4)
 
 
 def test_moe_router_loss_matches_stock(tmp_path, tokenizer):

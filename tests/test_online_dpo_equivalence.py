@@ -25,10 +25,17 @@ from trl_prefix_sharing import OnlineDPOConfig, OnlineDPOTrainer
 from trl_prefix_sharing.testing import FAMILIES, make_model
 
 
-def make_trainers(tmp_path, family, tokenizer, dataset=None, peft_config=None, config_kwargs=None, **overrides):
+def make_trainers(
+    tmp_path, family, tokenizer, dataset=None, peft_config=None, config_kwargs=None, models=None, **overrides
+):
+    """(stock, prefix-shared) trainers on deep copies of one policy and reference: new ones of `family`, or `models`
+    (policy, reference)."""
     config_kwargs = config_kwargs or {}
-    model = make_model(family, len(tokenizer), seed=0, **config_kwargs)
-    ref = None if peft_config is not None else make_model(family, len(tokenizer), seed=1, **config_kwargs)
+    if models is not None:
+        model, ref = models
+    else:
+        model = make_model(family, len(tokenizer), seed=0, **config_kwargs)
+        ref = None if peft_config is not None else make_model(family, len(tokenizer), seed=1, **config_kwargs)
     kwargs = dict(
         per_device_train_batch_size=4,
         max_new_tokens=6,
@@ -138,6 +145,8 @@ def test_training_matches_stock(tmp_path, tokenizer, setting):
 
 def test_remove_prefix_sharing_restores_the_models(tmp_path, tokenizer):
     _, shared = make_trainers(tmp_path, "llama", tokenizer)
+    assert "forward" not in shared.model.__dict__  # patched only within `train()`, `evaluate()`, `predict()`
+    shared.sharing.attach()
     assert "forward" in shared.model.__dict__
     shared.remove_prefix_sharing()
     assert "forward" not in shared.model.__dict__ and "forward" not in shared.ref_model.__dict__
@@ -155,7 +164,8 @@ def test_generation_runs_on_the_models_own_attention(tmp_path, tokenizer, monkey
         seen.clear()
         runs.append(train(trainer))
         assert len(seen) == 2 and set(seen) == {"eager"}, seen
-    assert shared.sharing.attn_implementation == "sdpa" and shared.model.config._attn_implementation == "sdpa"
+    assert shared.sharing.attn_implementation == "sdpa"
+    assert shared.model.config._attn_implementation == "eager"  # as TRL left it, after `train()`
     assert_same_runs(*runs)
     shared.remove_prefix_sharing()
     assert shared.model.config._attn_implementation == "eager" and "generate" not in shared.model.__dict__

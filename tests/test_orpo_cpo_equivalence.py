@@ -18,6 +18,7 @@ from equivalence import (
     backward_grads,
     conversational_dataset,
     leaky_dpo_mask,
+    tie_free_text_dataset,
     train_and_evaluate,
 )
 from trl.experimental.cpo import CPOConfig as StockCPOConfig
@@ -39,6 +40,7 @@ KINDS = {
 SETTINGS = {
     "orpo-beta0.1": ("orpo", {"beta": 0.1}),
     "orpo-beta1": ("orpo", {"beta": 1.0}),
+    "orpo-padding-value-1": ("orpo", {"beta": 0.1, "padding_value": 1}),
     "cpo-sigmoid": ("cpo", {"loss_type": "sigmoid"}),
     "cpo-hinge": ("cpo", {"loss_type": "hinge"}),
     "cpo-ipo": ("cpo", {"loss_type": "ipo"}),
@@ -104,11 +106,50 @@ def assert_same_batch(stock, shared, atol=1e-5, rtol=1e-5):
     assert_same_loss_metrics_grads(stock, shared, atol, rtol, min_metrics=9)
 
 
+def longer_rejected(dataset: Dataset) -> Dataset:
+    """`dataset` with a 30-token rejected answer after its long prompt: the rejected rows are then the wider ones, and
+    stock pads the chosen rows to their width with `padding_value` over many columns (`logits/*` leave out the last
+    column, which may otherwise be the only one)."""
+    rows = dataset.to_list()
+    assert len(rows[5]["prompt"].split()) == 60
+    rows[5]["rejected"] = " " + " ".join(f"w{i}" for i in range(200, 230))
+    return Dataset.from_list(rows)
+
+
+def assert_padded_with(trainer, examples, padding_value) -> None:
+    """Stock's concatenated rows hold `padding_value` in padding columns whose logits `logits/*` average."""
+    batch = trainer._prepare_inputs(trainer.data_collator(examples))
+    rows = trainer.concatenated_inputs(batch, padding_value=trainer.padding_value)
+    ids, mask = rows["concatenated_input_ids"][:, :-1], rows["concatenated_attention_mask"][:, :-1]
+    assert (ids[mask == 0] == padding_value).any()
+
+
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_batch_matches_stock(tmp_path, tokenizer, setting):
     kind, options = SETTINGS[setting]
-    dataset = awkward_text_dataset()
+    padding_value = options.get("padding_value")
+    # a non-default pad id on pairs without identical completions (see `test_padding_value_with_identical_completions`)
+    dataset = longer_rejected(tie_free_text_dataset()) if padding_value is not None else awkward_text_dataset()
     stock, shared = make_trainers(tmp_path, kind, tokenizer, dataset, **options)
+    examples = [shared.train_dataset[i] for i in range(len(dataset))]
+    assert_same_batch(loss_and_grads(stock, examples), loss_and_grads(shared, examples))
+    if padding_value is not None:
+        assert padding_value != tokenizer.pad_token_id
+        assert_padded_with(stock, examples, padding_value)
+
+
+@pytest.mark.parametrize("checks", [True, False])
+def test_padding_value_with_identical_completions(tmp_path, tokenizer, checks):
+    """ORPO with `padding_value` other than the tokenizer's pad id, on a pair whose two completions are identical.
+    Stock pads each side with the tokenizer's pad id (its collator), then the narrower side with `padding_value`
+    (`concatenated_inputs`), so the two identical rows differ in their padding tokens, which stock scores into
+    `logits/*`. The layout keys scored padding by its token, so the two rows stay apart where their padding differs
+    (keyed alike, they were one document holding one row's padding: the layout check refused the batch, and without
+    checks `logits/rejected` was off by 3.6e-4 here)."""
+    dataset = longer_rejected(awkward_text_dataset())
+    stock, shared = make_trainers(
+        tmp_path, "orpo", tokenizer, dataset, padding_value=1, ours={"prefix_sharing_checks": checks}
+    )
     examples = [shared.train_dataset[i] for i in range(len(dataset))]
     assert_same_batch(loss_and_grads(stock, examples), loss_and_grads(shared, examples))
 
@@ -139,23 +180,31 @@ def test_wrong_mask_fails(tmp_path, tokenizer, monkeypatch, kind):
         assert_same_batch(expected, loss_and_grads(shared, examples))
 
 
-@pytest.mark.parametrize("setting", ["orpo", "cpo-simpo-gradient-checkpointing", "orpo-lora"])
+@pytest.mark.parametrize(
+    "setting", ["orpo", "cpo-simpo-gradient-checkpointing", "orpo-lora", "orpo-eager-attention", "cpo-eager-attention"]
+)
 def test_training_matches_stock(tmp_path, tokenizer, setting):
+    """Two steps and an evaluation: every logged number and the trained weights. `eager-attention`: the model loaded
+    with eager attention, which stock runs; the shared passes run on SDPA (the shared mask's implementation on the
+    CPU)."""
     kind = setting.split("-")[0]
     options = {"loss_type": "simpo", "cpo_alpha": 0.5} if "simpo" in setting else {}
     if "checkpointing" in setting:
         options["gradient_checkpointing"] = True
+    if "eager" in setting:
+        options["config_kwargs"] = {"attn_implementation": "eager"}
     peft_config = None
     if "lora" in setting:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
         options["learning_rate"] = 1e-2
-    stock, shared = (
-        train_and_evaluate(t)
-        for t in make_trainers(tmp_path, kind, tokenizer, conversational_dataset(), peft_config=peft_config, **options)
-    )
+    trainers = make_trainers(tmp_path, kind, tokenizer, conversational_dataset(), peft_config=peft_config, **options)
+    stock, shared = (train_and_evaluate(t) for t in trainers)
     assert_same_training(stock, shared)
+    if "eager" in setting:
+        assert trainers[0].model.config._attn_implementation == "eager"
+        assert trainers[1].sharing.attn_implementation == "sdpa"
 
 
 @pytest.mark.parametrize("kind", ["orpo", "cpo"])

@@ -15,6 +15,7 @@ from equivalence import (
     tie_free_text_dataset,
     tied_pairs,
 )
+from test_dpo_equivalence import assert_padded_to_multiple
 
 import trl_prefix_sharing.attention as attention_module
 from trl_prefix_sharing.ranked import expand_ranked_to_pairs
@@ -40,6 +41,7 @@ DATA = {
     "no_common_prefix_and_max_length": lambda: (_empty_prompts(), {"max_length": 30}),
     "margin_and_centering": lambda: (_with_margin(awkward_text_dataset()), {"center_rewards_coefficient": 0.05}),
     "conversational_multiturn": lambda: (conversational_dataset(), {}),
+    "pad_to_multiple_of_8": lambda: (awkward_text_dataset(), {"pad_to_multiple_of": 8}),
 }
 
 
@@ -57,9 +59,11 @@ def _compare(stock, shared, n=None):
 def test_reward_step_matches_stock(tmp_path, tokenizer, family, data):
     dataset, overrides = DATA[data]()
     stock, shared = make_reward_trainers(tmp_path, family, dataset, tokenizer, **overrides)
-    _, result = _compare(stock, shared)
+    stock_result, result = _compare(stock, shared)
     layout = result["batch"]["prefix_sharing"]
     assert (layout["document_ids"] >= 0).sum() < result["batch"]["attention_mask"].sum()
+    if "pad_to_multiple_of" in overrides:
+        assert_padded_to_multiple(stock_result["batch"], layout, overrides["pad_to_multiple_of"])
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -23,8 +23,9 @@ _SHARING_DOC = """
         completions from seeing each other and position ids make every number the one stock TRL computes on the same
         micro-batch. GRPO and RLOO keep each prompt's generations in one micro-batch (stock TRL shuffles them row by
         row): with one micro-batch per generation batch (the default) every number is stock's; with several, the
-        `dapo`, `grpo` and `dr_grpo` losses and the gradients are, while `bnpo` and the logged per-micro-batch means
-        (entropy, kl, clip ratios) average over other micro-batches. More generally, every prefix that rows of a
+        `dapo`, `grpo` and `dr_grpo` losses and the gradients are, while `bnpo`, `top_entropy_quantile`'s threshold,
+        the `entropy_coef` bonus and the logged per-micro-batch means (entropy, kl, clip ratios) are taken over other
+        micro-batches. More generally, every prefix that rows of a
         micro-batch share is computed once (a prefix trie): a prompt's several pairs, its later turns and duplicate
         prompts, when the sampler puts them in one micro-batch. Text and conversational datasets; see
         docs/architectures.md for the supported model families.
@@ -84,8 +85,9 @@ class PrefixSharingArguments:
             "help": "Compute each prompt once: put a prompt and its completions ([prompt | chosen | rejected], or a "
             "group's generations) in one sequence with a mask that keeps the completions apart. Log-probs, losses, "
             "gradients and every logged number equal stock TRL's on the same micro-batches. GRPO/RLOO keep a prompt's "
-            "generations in one micro-batch: with several micro-batches per generation batch, per-micro-batch means "
-            "(bnpo, logged entropy/kl/clip ratios) average over other micro-batches than stock's."
+            "generations in one micro-batch: with several micro-batches per generation batch, per-micro-batch "
+            "quantities (bnpo, top_entropy_quantile, entropy_coef, logged entropy/kl/clip ratios) are taken over "
+            "other micro-batches than stock's."
         },
     )
     prefix_sharing_attn_implementation: str = field(

@@ -24,16 +24,20 @@ Overrides, each calling TRL's own method (TRL's loss, advantage and metric code 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
-from .layout import pairwise_common_prefix
+from .layout import _COMPARE_CHUNK, pairwise_common_prefix
 from .sharing import PrefixSharingMixin
 from .trl_internals import replaced_function
 from .vision import vision_inputs_in
 
 
-__all__ = ["GroupSharingTrainerMixin", "shuffle_keeping_groups"]
+__all__ = ["GroupSharingTrainerMixin", "shuffle_keeping_groups", "tie_like_stock"]
 
 logger = logging.get_logger(__name__)
 
@@ -67,6 +71,50 @@ def shuffle_keeping_groups(batch: dict, group_key: str = "prompt_ids", mask_key:
         return [value[i] for i in host_permutation]
 
     return {key: permute(value) for key, value in batch.items()}
+
+
+def tie_like_stock(entropies: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The completion entropies ``[R, W]`` of TRL's rows (``input_ids``/``attention_mask`` ``[R, C]``, completions in
+    the last ``W`` columns) made bitwise equal across rows that share every token before a column, as stock's are.
+
+    Stock computes such rows alike, so their entropies there tie exactly. The shared rows compute the first token of a
+    branch once per branch (the last common token starts every branch again), equal only to round-off. GRPO's
+    `top_entropy_quantile` keeps the tokens whose entropy is at or above a quantile of them: a quantile that falls on
+    such a tie keeps all of stock's tied tokens, but only some of the shared rows'. Here each scored entropy becomes
+    that of the first row that scores the same column after the same tokens (its own when none does); gradients flow
+    through that value. Pairwise over the rows, in chunks of rows."""
+    keys = torch.where(attention_mask.bool(), input_ids, -1)
+    common = pairwise_common_prefix(keys)  # [R, R]
+    rows, width = entropies.shape
+    columns = torch.arange(keys.shape[1] - width, keys.shape[1], device=keys.device)  # the column each one scores
+    scored = attention_mask[:, -width:].bool()
+    first = torch.arange(rows, device=keys.device)[:, None].expand(rows, width).clone()
+    step = max(1, _COMPARE_CHUNK // max(rows * width, 1))
+    for start in range(0, rows, step):
+        # the distribution that scores column c reads columns 0..c-1: rows r and s share it when `common[r, s] >= c`
+        shares = (common[start : start + step, :, None] >= columns) & scored[None]  # [r, s, W]
+        found = shares.to(torch.uint8).argmax(dim=1)  # the first such s: r itself at the latest, where r scores
+        first[start : start + step] = torch.where(scored[start : start + step], found, first[start : start + step])
+    return entropies.gather(0, first)
+
+
+class _SharedPositionsState(TrainerCallback, ExportableState):
+    """`num_shared_tokens` kept in a checkpoint and resumed from it, as stock's `num_tokens` is (in the trainer
+    state)."""
+
+    def __init__(self, trainer):
+        self._trainer = weakref.ref(trainer)
+
+    def state(self) -> dict:
+        trainer = self._trainer()
+        total = None if trainer is None else trainer._shared_positions
+        return {"args": {}, "attributes": {"shared_positions": 0 if total is None else int(total)}}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        saved = state.stateful_callbacks.get(type(self).__name__)
+        trainer = self._trainer()
+        if state.global_step > 0 and isinstance(saved, dict) and trainer is not None:  # resumed from a checkpoint
+            trainer._shared_positions = saved["attributes"]["shared_positions"]
 
 
 class _SharedRowsModel:
@@ -110,7 +158,9 @@ class GroupSharingTrainerMixin(PrefixSharingMixin):
         self._sharing_logged = False
         self._loss_inputs = None
         super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class, *more, **kwargs)
-        self._setup_prefix_sharing()
+        self._finish_prefix_sharing_init()
+        if self.prefix_sharing:
+            self.add_callback(_SharedPositionsState(self))
 
     @property
     def _trl_module(self) -> str:
@@ -133,9 +183,14 @@ class GroupSharingTrainerMixin(PrefixSharingMixin):
                     inputs[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
                 )
             model = _SharedRowsModel(self, model, logits_to_keep, source)
-        return super()._get_per_token_logps_and_entropies(
+        outputs = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )
+        entropies = outputs[1]
+        if self.prefix_sharing and entropies is not None and getattr(self.args, "top_entropy_quantile", 1.0) < 1.0:
+            # stock's exact ties, which the quantile's `>=` reads (see `tie_like_stock`)
+            outputs = (outputs[0], tie_like_stock(entropies, input_ids, attention_mask), *outputs[2:])
+        return outputs
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         self._loss_inputs = inputs if self.prefix_sharing else None

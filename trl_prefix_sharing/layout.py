@@ -61,7 +61,8 @@ __all__ = [
 #: key of a stock column that holds no token (before or after the row's tokens); below every token id, so a row that
 #: is a prefix of another sorts first
 _NO_TOKEN = -1
-#: key of a scored padding column (``score_padding``): never equal to a token
+#: key of a scored padding column holding pad id 0 (``score_padding``); pad id p is keyed `_SCORED_PAD - p`: never
+#: equal to a token, and rows padded with different ids (ORPO pads the narrower side with its `padding_value`) differ
 _SCORED_PAD = -2
 #: elements of the pairwise comparison done at once (rows x rows x columns), bounding its memory
 _COMPARE_CHUNK = 1 << 24
@@ -179,7 +180,7 @@ def plan_layout(
     in_row = (columns >= starts[:, None]) & (columns < (starts + real)[:, None])
     keys = torch.where(in_row, input_ids, _NO_TOKEN)
     if score_padding:  # the padding after a row's tokens is laid out (and scored) with the row
-        keys = torch.where(columns >= (starts + real)[:, None], _SCORED_PAD, keys)
+        keys = torch.where(columns >= (starts + real)[:, None], _SCORED_PAD - input_ids, keys)
         lengths = torch.where(real > 0, width - starts, 0)
     else:
         lengths = real
