@@ -181,7 +181,7 @@ def test_refused_family_names_its_reason(family):
         ({"attention_chunk_size": 4}, "its chunked attention splits the row"),
         ({"layer_types": ["full_attention", "chunked_attention"]}, "its chunked attention splits the row"),
         ({"layer_types": ["indexed_attention", "full_attention"]}, "its sparse attention keeps the top-k keys"),
-        ({"is_encoder_decoder": True}, "never support 'llama': it is an encoder-decoder model"),
+        ({"is_encoder_decoder": True}, "does not support 'llama': it is an encoder-decoder model"),
         (
             {"model_type": "not_a_model", "output_router_logits": True},
             r"cannot judge 'not_a_model' with the router's auxiliary loss \(`output_router_logits=True`\)",

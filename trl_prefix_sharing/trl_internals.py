@@ -89,6 +89,7 @@ _ORPO = "trl.experimental.orpo.orpo_trainer:ORPOTrainer"
 _CPO = "trl.experimental.cpo.cpo_trainer:CPOTrainer"
 _TRAINER = "transformers.trainer:Trainer"
 _LOGPS = ("self", "model", "input_ids", "attention_mask", "logits_to_keep")
+_PREPARE = ("self", "dataset", "processing_class", "args", "dataset_name")
 _CONCATENATED_INIT = ("self", "model", "args", "data_collator", "train_dataset", "eval_dataset", "processing_class")
 _GROUP_INIT = ("self", "model", "reward_funcs", "args", "train_dataset", "eval_dataset", "processing_class")
 _ONLINE_DPO_INIT = (
@@ -172,9 +173,7 @@ INTERNALS: dict[str, tuple[Internal, ...]] = {
         Internal(_DPO, "_metrics", "write", attribute=True),
     ),
     "reward": (
-        Internal(
-            _REWARD, "_prepare_dataset", "override", ("self", "dataset", "processing_class", "args", "dataset_name")
-        ),
+        Internal(_REWARD, "_prepare_dataset", "override", _PREPARE),
         Internal(_REWARD, "_metrics", "write", attribute=True),
         *_public_overrides(_REWARD),
         Internal(_REWARD, "_total_train_tokens", "write", attribute=True),
@@ -227,21 +226,9 @@ INTERNALS: dict[str, tuple[Internal, ...]] = {
     # trainer (`stats`)
     "cli": (Internal("trl.cli.commands.training", "_subtract_subsequence", "call"),),
     "stats": (
-        Internal(
-            _DPO,
-            "_prepare_dataset",
-            "call",
-            ("self", "dataset", "processing_class", "args", "dataset_name"),
-            fingerprint="733c5737c4949f4e",
-        ),
+        Internal(_DPO, "_prepare_dataset", "call", _PREPARE, fingerprint="733c5737c4949f4e"),
         Internal(_DPO, "_tokenizer", "write", attribute=True),
-        Internal(
-            _REWARD,
-            "_prepare_dataset",
-            "call",
-            ("self", "dataset", "processing_class", "args", "dataset_name"),
-            fingerprint="c4f390d195808b86",
-        ),
+        Internal(_REWARD, "_prepare_dataset", "call", _PREPARE, fingerprint="c4f390d195808b86"),
     ),
 }
 

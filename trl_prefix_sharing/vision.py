@@ -26,6 +26,8 @@ clear error.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from .architectures import window_layout
@@ -106,6 +108,12 @@ def _check_keys(inputs) -> None:
         )
 
 
+def _no_cache(method) -> dict:
+    """`{<the method's cache argument>: None}`: transformers 5.24 renamed `past_key_values` to `cache` (the old name
+    accepted, with a deprecation warning, until 5.40)."""
+    return {"cache": None} if "cache" in inspect.signature(method).parameters else {"past_key_values": None}
+
+
 def _stock_position_ids(base_model, inputs) -> torch.Tensor:
     """M-RoPE positions ``[3, R, L]`` of the stock rows, computed by the model's own code as its forward does."""
     input_ids = inputs["input_ids"]
@@ -115,6 +123,7 @@ def _stock_position_ids(base_model, inputs) -> torch.Tensor:
         image_grid_thw=inputs.get("image_grid_thw"),
         video_grid_thw=None,
         attention_mask=inputs.get("attention_mask"),
+        **_no_cache(base_model.compute_3d_position_ids),
         mm_token_type_ids=inputs.get("mm_token_type_ids"),
     )
     if position_ids is None:  # no image in the batch: the text model counts 0, 1, 2, ... along every row
