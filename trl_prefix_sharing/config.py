@@ -25,10 +25,9 @@ _SHARING_DOC = """
         row): with one micro-batch per generation batch (the default) every number is stock's; with several, the
         `dapo`, `grpo` and `dr_grpo` losses and the gradients are, while `bnpo`, `top_entropy_quantile`'s threshold,
         the `entropy_coef` bonus and the logged per-micro-batch means (entropy, kl, clip ratios) are taken over other
-        micro-batches. More generally, every prefix that rows of a
-        micro-batch share is computed once (a prefix trie): a prompt's several pairs, its later turns and duplicate
-        prompts, when the sampler puts them in one micro-batch. Text and conversational datasets; see
-        docs/architectures.md for the supported model families.
+        micro-batches. More generally, every prefix that rows of a micro-batch share is computed once (a prefix
+        trie): a prompt's several pairs, its later turns and duplicate prompts, when the sampler puts them in one
+        micro-batch. Text and conversational datasets; see docs/architectures.md for the supported model families.
     prefix_sharing_checks (`bool` or `None`, *optional*, defaults to `None`):
         Verify each shared batch against the stock rows in the forward (its tokens, padding and labels). Each check
         reads a comparison back from the device, so on an accelerator it waits for the device (a host sync per

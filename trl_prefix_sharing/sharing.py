@@ -463,6 +463,7 @@ class PrefixSharingMixin:
         """Before TRL's `__init__`: read the options and check what can be checked (the config class, the model and
         the processor)."""
         self.sharing = None
+        self._sharing_scope_depth = 0  # nested `train()`/`evaluate()`/`predict()` calls (see `_prefix_sharing_scope`)
         warn_if_not_our_config(args, self._config_class, type(self).__name__)
         warn_if_fewer_processes_than_asked()
         self._prefix_sharing = bool(getattr(args, "prefix_sharing", False))
@@ -538,13 +539,13 @@ class PrefixSharingMixin:
         """The end of the trainer's `__init__`: the integration object set up, the models left as TRL leaves them (the
         patches are attached by `train()`, `evaluate()` and `predict()` for their length)."""
         self._setup_prefix_sharing()
-        if self.sharing is not None and not getattr(self, "_sharing_scope_depth", 0):
+        if self.sharing is not None:
             self.sharing.detach()
 
     @contextlib.contextmanager
     def _prefix_sharing_scope(self):
         """The models patched for the block (nested blocks: the outermost one), as TRL left them afterwards."""
-        depth = getattr(self, "_sharing_scope_depth", 0)
+        depth = self._sharing_scope_depth
         self._sharing_scope_depth = depth + 1
         try:
             if self.sharing is not None:

@@ -105,8 +105,16 @@ _ONLINE_DPO_INIT = (
 )
 #: how DPO's loss and reference passes call the model: every batch key but these, so the layout reaches it
 _DPO_CALL = ("model_kwargs = {k: v for k, v in inputs.items() if k not in _non_model_keys}",)
-_FUSED_FIELDS = ("loss", "aux_loss", "log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-_FUSED_FIELDS += ("label_mask",)
+_FUSED_FIELDS = (
+    "loss",
+    "aux_loss",
+    "log_probs",
+    "entropy",
+    "log_sum_sq_probs",
+    "mean_logits",
+    "is_top1",
+    "label_mask",
+)
 
 
 def _concatenated_trainer_internals(owner: str, fingerprint_: str) -> tuple[Internal, ...]:
@@ -277,8 +285,10 @@ def _code_problem(internal: Internal, target) -> str | None:
         missing = [fragment for fragment in internal.relies_on if fragment not in source]
         if missing:
             return f"{where} no longer contains `{missing[0]}`"
-    if internal.fingerprint and fingerprint(target) != internal.fingerprint:
-        return f"{where} has new code (fingerprint {fingerprint(target)}, measured {internal.fingerprint})"
+    if internal.fingerprint:
+        installed = fingerprint(target)
+        if installed != internal.fingerprint:
+            return f"{where} has new code (fingerprint {installed}, measured {internal.fingerprint})"
     return None
 
 

@@ -56,13 +56,12 @@ def launch(command: str, argv: list[str]) -> int:
     from accelerate.commands.launch import launch_command, launch_command_parser
     from trl.cli.accelerate_config import resolve_accelerate_config_argument
     from trl.cli.commands.training import _subtract_subsequence
-
-    from ..trl_internals import check_trl_internals
-
-    check_trl_internals("cli")
     from trl.import_utils import TRLExperimentalWarning
 
+    from ..trl_internals import check_trl_internals
     from .train import SETUP_ERRORS, make_parser
+
+    check_trl_internals("cli")  # TRL's argument splitting
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TRLExperimentalWarning)
