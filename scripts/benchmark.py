@@ -103,8 +103,8 @@ class CountingCollator:
             self.positions += batch["input_ids"].numel()
             self.tokens += int(batch["attention_mask"].sum())
         else:
-            self.positions += layout["input_ids"].numel()
-            self.tokens += int((layout["document_ids"] >= 0).sum())
+            self.positions += layout.input_ids.numel()
+            self.tokens += int((layout.document_ids >= 0).sum())
         return batch
 
 

@@ -10,7 +10,7 @@ Two micro-batches, shaped like real training:
   (right-padded), ~45k real tokens. Timed: the whole layout of the rows TRL hands the model (grouping included),
   `trl_prefix_sharing.layout.shared_group_layout`, and the same with its attention mask (dense, as SDPA takes it).
 - DPO: 8 pairs, prompts of ~1500 tokens, completions of ~300, right-padded as TRL's collator builds them. Timed: the
-  layout the collator adds, `build_shared_batch` with each row's prompt length.
+  layout the collator adds, `build_layout` with each row's prompt length.
 
 "Previous" is the builder this package used before the trie (one document per pair or group, built by walking every
 token in Python), kept in this script for the comparison. Medians of 7 runs after a warm-up, milliseconds.
@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from trl_prefix_sharing.layout import build_shared_batch, shared_group_layout  # noqa: E402
+from trl_prefix_sharing.layout import build_layout, shared_group_layout  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------- previous builder
@@ -177,7 +177,7 @@ def run(device: torch.device) -> dict:
 
     def dpo_trie():
         prompts = prompt_lengths_from_completion_mask(d_mask_d, d_completion_d)
-        return build_shared_batch(d_ids_d, d_mask_d, prompt_lengths=prompts, check=check)
+        return build_layout(d_ids_d, d_mask_d, prompt_lengths=prompts, check=check)
 
     results["grpo_trie_ms"] = median_ms(grpo_trie, device)
     results["grpo_trie_with_mask_ms"] = median_ms(grpo_trie_mask, device)
@@ -186,8 +186,8 @@ def run(device: torch.device) -> dict:
         results["grpo_previous_ms"] = median_ms(lambda: previous_group_layout(g_ids, g_mask, g_prompt), device)
         results["dpo_previous_ms"] = median_ms(lambda: previous_layout(d_ids, d_mask, pairs, d_completion), device)
     grpo, dpo = grpo_trie(), dpo_trie()
-    results["grpo_shared_positions"] = int((grpo["document_ids"] >= 0).sum())
-    results["dpo_shared_positions"] = int((dpo["document_ids"] >= 0).sum())
+    results["grpo_shared_positions"] = int((grpo.document_ids >= 0).sum())
+    results["dpo_shared_positions"] = int((dpo.document_ids >= 0).sum())
     return results
 
 
@@ -223,7 +223,7 @@ def main():
     lines += [
         "",
         "*Previous builder*: one document per pair or group, laid out token by token in Python (kept in the script "
-        "for this comparison). *Trie*: `shared_group_layout` (GRPO, grouping included) and `build_shared_batch` with "
+        "for this comparison). *Trie*: `shared_group_layout` (GRPO, grouping included) and `build_layout` with "
         "each row's prompt length (DPO), tensor ops on the batch's device, checks included on the CPU. *Trie + dense "
         "mask*: also the dense boolean mask SDPA takes, `[rows, 1, width, width]`, which costs far more than the "
         "layout on long rows; under FlexAttention (CUDA) the mask is a BlockMask built by the compiled "

@@ -99,8 +99,8 @@ def main() -> None:
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     parameters = sum(p.numel() for p in trainer.model.parameters())
     with PeakMemory(device) as check_memory:
-        trainer.sharing.prepare(batch)  # the first batch laid out: the check runs here
-    result = trainer.sharing.model_check_result
+        trainer._prepare_layout(batch)  # the start-up check, then the first batch laid out
+    result = trainer.model_check.result
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by `train()`'s loop, which this calls a step of
     step_times, step_peaks = [], []

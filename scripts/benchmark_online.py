@@ -253,11 +253,11 @@ def positions(batches, trainer, args):
         )
         counts["stock_padded_positions"] += ids.numel()
         counts["stock_positions"] += int(real.sum())
-        counts["shared_padded_positions"] += layout["input_ids"].numel()
-        counts["shared_positions"] += int((layout["document_ids"] >= 0).sum())  # online DPO: stock's padding too
+        counts["shared_padded_positions"] += layout.input_ids.numel()
+        counts["shared_positions"] += int((layout.document_ids >= 0).sum())  # online DPO: stock's padding too
         # scores of a dense mask, per layer and head: rows x width^2 (SDPA with a mask on CPU computes them all)
         counts["stock_attention_scores"] += ids.shape[0] * ids.shape[1] ** 2
-        counts["shared_attention_scores"] += layout["input_ids"].shape[0] * layout["input_ids"].shape[1] ** 2
+        counts["shared_attention_scores"] += layout.input_ids.shape[0] * layout.input_ids.shape[1] ** 2
     return counts
 
 

@@ -213,13 +213,13 @@ class PositionCounter:
 
         def hook(module, args, kwargs):
             ids = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]
-            layout = next((lay for lay in self.layouts if lay["input_ids"] is ids), None)
+            layout = next((lay for lay in self.layouts if lay.input_ids is ids), None)
             if layout is None:  # stock rows: their 2-D attention mask
                 tokens = laid = int(kwargs["attention_mask"].sum())
             else:  # the layout's tokens (each prompt once), and with stock's scored padding
-                placed = layout["document_ids"] >= 0
+                placed = layout.document_ids >= 0
                 laid = int(placed.sum())
-                tokens = int((placed & layout["key_visible"]).sum()) if "key_visible" in layout else laid
+                tokens = int((placed & layout.key_visible).sum()) if "key_visible" in layout else laid
             values = {"calls": 1, "positions": ids.numel(), "tokens": tokens, "laid": laid}
             values["scores"] = ids.shape[0] * ids.shape[1] ** 2
             weight = GRAD_WEIGHT if torch.is_grad_enabled() else 1

@@ -131,10 +131,10 @@ def count_positions(batches: list[list[dict]]) -> dict:
         entry["attention"] += rows * width * width
         for variant, collator in shared.items():
             layout = collator(examples)["prefix_sharing"]
-            rows, width = layout["input_ids"].shape
+            rows, width = layout.input_ids.shape
             entry = counts[variant]
             entry["padded"] += rows * width
-            entry["real"] += int((layout["document_ids"] >= 0).sum())
+            entry["real"] += int((layout.document_ids >= 0).sum())
             entry["rows"] += rows
             entry["width_max"] = max(entry["width_max"], width)
             entry["attention"] += rows * width * width

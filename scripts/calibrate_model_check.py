@@ -42,10 +42,9 @@ def examples(tokenizer, seed: int):
 def measure(model, rows, tokenizer) -> dict:
     from trl_prefix_sharing.architectures import window_layout
     from trl_prefix_sharing.model_check import run_model_check
-    from trl_prefix_sharing.sharing import PrefixSharing
+    from trl_prefix_sharing.session import PrefixSharingSession
 
-    sharing = PrefixSharing([model], tokenizer, "sdpa", torch.device("cpu"), fuse_lm_head=True)
-    sharing.pending_check = []
+    sharing = PrefixSharingSession([model], tokenizer, "sdpa", torch.device("cpu"), fuse_lm_head=True)
     sharing.attach()
     try:
         result = run_model_check(

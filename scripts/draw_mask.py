@@ -7,7 +7,7 @@ Right: two documents packed in one row of 1,024 tokens (a DPO pair with long com
 with FlexAttention's 128 x 128 blocks; the hatched blocks are fully masked, so FlexAttention skips them. Rows are
 queries, columns keys; a coloured cell means "may attend" and takes the colour of the key's region.
 
-Everything drawn is computed: the rows are laid out by `trl_prefix_sharing.layout.build_shared_batch`, the cells are
+Everything drawn is computed: the rows are laid out by `trl_prefix_sharing.layout.build_layout`, the cells are
 `trl_prefix_sharing.mask.dense_mask(prefix_sharing_mask(...))` (what SDPA receives) and the blocks come from
 `trl_prefix_sharing.mask.block_mask` (the FlexAttention `BlockMask` the trainer builds on CUDA; here uncompiled, on
 CPU).
@@ -20,7 +20,7 @@ import random
 
 import torch
 
-from trl_prefix_sharing.layout import build_shared_batch
+from trl_prefix_sharing.layout import build_layout
 from trl_prefix_sharing.mask import block_mask, dense_mask, prefix_sharing_mask
 
 
@@ -52,16 +52,16 @@ def lay_out(documents, row_length=None):
     width = max(map(len, rows))
     ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
     attention_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-    layout = build_shared_batch(
+    layout = build_layout(
         ids,
         attention_mask,
         prompt_lengths=torch.tensor(prompt_lengths),
         rows=[list(range(len(documents)))],  # every document in one row (packing)
         row_length=row_length,
     )
-    size = layout["input_ids"].shape[1]
+    size = layout.input_ids.shape[1]
     readers = [set() for _ in range(size)]  # the stock rows that read each shared position, and at which column
-    for row, columns in enumerate(layout["stock_index"].tolist()):
+    for row, columns in enumerate(layout.stock_index.tolist()):
         for column, position in enumerate(columns):
             if position >= 0:
                 readers[position].add((row, column))
@@ -76,7 +76,7 @@ def lay_out(documents, row_length=None):
         shared = len({r for r, _ in readers[position]}) > 1
         regions.append((number, PROMPT if shared else branch))
         names.append(f"p{column}" if column < prompt_lengths[row] else f"{branch[0]}{column - prompt_lengths[row]}")
-    mask = dense_mask(prefix_sharing_mask(layout["subtree_end"]), 1, size, size)[0, 0]
+    mask = dense_mask(prefix_sharing_mask(layout.subtree_end), 1, size, size)[0, 0]
     return layout, mask, regions, names
 
 
@@ -170,7 +170,7 @@ def draw_packed(ax):
     layout, mask, regions, _ = lay_out([pair, group], row_length=ROW_LENGTH)
     ax.imshow(mask_image(mask, regions), interpolation="antialiased")
 
-    blocks = block_mask(prefix_sharing_mask(layout["subtree_end"]), 1, ROW_LENGTH, ROW_LENGTH, "cpu", compile=False)
+    blocks = block_mask(prefix_sharing_mask(layout.subtree_end), 1, ROW_LENGTH, ROW_LENGTH, "cpu", compile=False)
     size = blocks.BLOCK_SIZE[0]
     count = ROW_LENGTH // size
     computed = set()

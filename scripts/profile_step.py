@@ -69,7 +69,7 @@ def instrumented(clock: Clock):
     import trl.trainer.utils as trl_utils
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    import trl_prefix_sharing.sharing as sharing_module
+    import trl_prefix_sharing.session as sharing_module
 
     saved_attention = {
         name: ALL_ATTENTION_FUNCTIONS[name]

@@ -263,7 +263,7 @@ def main() -> None:
     from equivalence import awkward_text_dataset
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    import trl_prefix_sharing.sharing as sharing_module
+    import trl_prefix_sharing.support as sharing_module
     from trl_prefix_sharing.architectures import REFUSED
     from trl_prefix_sharing.testing import make_tokenizer
 

@@ -223,8 +223,8 @@ def main():
                 "world": trainer.args.world_size,
                 "pairs_per_batch": pairs_per_batch,
                 "check": None
-                if getattr(trainer, "sharing", None) is None or trainer.sharing.model_check_result is None
-                else trainer.sharing.model_check_result.summary(),
+                if getattr(trainer, "sharing", None) is None or trainer.model_check.result is None
+                else trainer.model_check.result.summary(),
             }
             if trainer.args.process_index == 0:
                 torch.save(weights, os.path.join(args.out, f"{run}-{label}.pt"))

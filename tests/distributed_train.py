@@ -147,9 +147,7 @@ def main():
         trainer.train()
     except ValueError as error:  # the start-up check's refusal, on every rank
         with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-            json.dump(
-                {"rank": rank, "error": str(error), "check": vars(trainer.sharing.model_check_result)}, f, default=str
-            )
+            json.dump({"rank": rank, "error": str(error), "check": vars(trainer.model_check.result)}, f, default=str)
         finish()
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(
@@ -161,9 +159,7 @@ def main():
                 "steps": counter.steps,
                 "losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
                 "pairs_per_batch": [len(b) for b in batches],
-                "check": None
-                if trainer.sharing.model_check_result is None
-                else vars(trainer.sharing.model_check_result),
+                "check": None if trainer.model_check.result is None else vars(trainer.model_check.result),
             },
             f,
             default=str,

@@ -61,7 +61,7 @@ def outputs(model, kind, batch, shared):
     kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     if shared:
         layout = dict(batch["prefix_sharing"])
-        layout["attention_mask"] = build_attention_mask(layout, "sdpa", model.config)
+        layout.attention_mask = build_attention_mask(layout, "sdpa", model.config)
         kwargs["prefix_sharing"] = layout
     if kind == "dpo":
         labels = batch["input_ids"].masked_fill(~batch["completion_mask"].bool(), -100)

@@ -95,12 +95,12 @@ def test_family_dpo_step_matches_stock(tmp_path, tokenizer, family, variant):
     stock, shared = _dpo(tmp_path, tokenizer, family, variant)
     stock_result, result = compare_step(stock, shared, grad_tolerances=GRAD_TOLERANCES.get(family))
     layout = result["batch"]["prefix_sharing"]
-    assert (layout["document_ids"] >= 0).sum() < result["batch"]["attention_mask"].sum()  # something was shared
+    assert (layout.document_ids >= 0).sum() < result["batch"]["attention_mask"].sum()  # something was shared
     if variant == "router_aux_loss":
         assert stock_result["metrics"]["aux_loss"] > 0  # compared with stock's by compare_step
     if variant == "sliding_window":
         window, _ = window_layout(shared.model.config)
-        assert window is not None and int(layout["position_ids"].max()) >= window  # the window cuts something
+        assert window is not None and int(layout.position_ids.max()) >= window  # the window cuts something
 
 
 @pytest.mark.parametrize("family,variant", REWARD_CASES)
@@ -136,7 +136,7 @@ def test_router_aux_loss_needs_the_stock_positions(tmp_path, tokenizer, monkeypa
             router_logits,
             text_config.num_experts,
             text_config.num_experts_per_tok,
-            (layout["document_ids"] >= 0).long(),
+            (layout.document_ids >= 0).long(),
         )
 
     monkeypatch.setattr(forward_module, "_stock_aux_loss", shared_rows_aux_loss)

@@ -61,9 +61,9 @@ def test_flex_attention_compiles_a_bounded_number_of_times_and_equals_stock(tmp_
             stock_loss, stock_metrics, _ = forward(stock, [stock_data[i] for i in indices], mode)
             loss, metrics, batch = forward(shared, [shared_data[i] for i in indices], mode)
             layout = batch["prefix_sharing"]
-            assert type(layout["attention_mask"]).__name__ == "BlockMask"
-            widths.add(int((layout["document_ids"] >= 0).sum(1).max()))
-            rows.add(layout["input_ids"].shape[0])
+            assert type(layout.attention_mask).__name__ == "BlockMask"
+            widths.add(int((layout.document_ids >= 0).sum(1).max()))
+            rows.add(layout.input_ids.shape[0])
             torch.testing.assert_close(loss, stock_loss, atol=1e-5, rtol=1e-5)
             assert {"logps/chosen", "logps/rejected", "rewards/margins"} <= set(stock_metrics)
             for key, value in stock_metrics.items():
@@ -101,8 +101,8 @@ def test_full_and_sliding_layers_share_one_compiled_variant(tmp_path, tokenizer,
                 stock_loss, _, _ = forward(stock, [stock.train_dataset[i] for i in indices], "train")
                 loss, _, batch = forward(shared, [shared.train_dataset[i] for i in indices], "train")
                 torch.testing.assert_close(loss, stock_loss, atol=1e-5, rtol=1e-5)
-                assert batch["prefix_sharing"]["input_ids"].shape == (4, 128)
-                masks = batch["prefix_sharing"]["attention_mask"]
+                assert batch["prefix_sharing"].input_ids.shape == (4, 128)
+                masks = batch["prefix_sharing"].attention_mask
                 assert isinstance(masks, dict) and set(masks) == {"full_attention", "sliding_attention"}
         report = watch.assert_compiled_and_bounded(1)
     print("full and sliding layers:", report)
@@ -119,5 +119,5 @@ def test_the_cuda_compile_schedule_crosses_two_width_buckets(tmp_path, tokenizer
     data = {"train": shared.train_dataset, "eval": shared.eval_dataset}
     shapes = set()
     for mode, indices in compile_schedule(len(train), len(evaluation), batch_size=4, steps=30, eval_every=10):
-        shapes.add(tuple(shared.data_collator([data[mode][i] for i in indices])["prefix_sharing"]["input_ids"].shape))
+        shapes.add(tuple(shared.data_collator([data[mode][i] for i in indices])["prefix_sharing"].input_ids.shape))
     assert {width for _, width in shapes} == {128, 256} and {rows for rows, _ in shapes} == {1, 2, 4}, shapes

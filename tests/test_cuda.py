@@ -98,7 +98,7 @@ def _check_flex_trainer(trainer):
 def _check_flex(trainer, batch):
     """`_check_flex_trainer`, and the batch's masks are BlockMasks."""
     _check_flex_trainer(trainer)
-    masks = batch["prefix_sharing"]["attention_mask"]
+    masks = batch["prefix_sharing"].attention_mask
     masks = masks.values() if isinstance(masks, dict) else [masks]
     assert all(type(mask).__name__ == "BlockMask" for mask in masks)
 
@@ -125,9 +125,9 @@ def test_dpo_step_matches_stock(tmp_path, tokenizer, family, packing):
     _, result = compare_step(stock, shared, **FP32)
     _check_flex(shared, result["batch"])
     if packing:
-        assert result["batch"]["prefix_sharing"]["input_ids"].shape == (1, 512)  # FlexAttention: one packed row
+        assert result["batch"]["prefix_sharing"].input_ids.shape == (1, 512)  # FlexAttention: one packed row
     else:
-        assert result["batch"]["prefix_sharing"]["input_ids"].shape[1] % 128 == 0  # rows rounded to the block size
+        assert result["batch"]["prefix_sharing"].input_ids.shape[1] % 128 == 0  # rows rounded to the block size
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["sharing", "sharing+packing"])
@@ -417,7 +417,7 @@ def test_compiles_a_bounded_number_of_times_over_training_and_evaluation(
                             losses.append(trainer.compute_loss(trainer.model, batch))
                     torch.testing.assert_close(losses[1], losses[0], **FP32)
                 _check_flex(shared, batch)
-                widths.add(batch["prefix_sharing"]["input_ids"].shape[1])
+                widths.add(batch["prefix_sharing"].input_ids.shape[1])
                 done += 1
         finally:  # the counts reach gpu_check's report even when an assertion below (or above) fails
             record_property(
@@ -474,7 +474,7 @@ def test_long_row_step_does_not_materialise_the_score_matrix(tmp_path, tokenizer
         record_property("long_row_compile_report", watch.report())
         watch.assert_compiled_and_bounded(MAX_VARIANTS)
     layout = result["batch"]["prefix_sharing"]
-    assert layout["input_ids"].shape == (1, length) and int((layout["document_ids"] >= 0).sum()) > length // 2
+    assert layout.input_ids.shape == (1, length) and int((layout.document_ids >= 0).sum()) > length // 2
     _check_flex(shared, result["batch"])
     print(
         f"peak memory of a {length}-token step: {peak / 2**20:.1f} MiB; one layer's scores: {scores / 2**20:.0f} MiB"

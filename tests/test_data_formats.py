@@ -89,7 +89,7 @@ def test_tool_calling_dpo_matches_stock(tmp_path, tokenizer, family, content_lis
     _renders_tool_calls(stock, dataset)
     _, result = compare_step(stock, shared)
     layout = result["batch"]["prefix_sharing"]
-    assert (layout["document_ids"] >= 0).sum() < result["batch"]["attention_mask"].sum()
+    assert (layout.document_ids >= 0).sum() < result["batch"]["attention_mask"].sum()
 
 
 def test_tool_calling_dpo_packing_matches_stock(tmp_path, tokenizer):
@@ -134,7 +134,7 @@ def test_legacy_pretokenized_reward_columns_match_stock(tmp_path, tokenizer):
     stock_result, shared_result = reward_step(stock, examples), reward_step(shared, examples)
     assert_same_reward_step(stock_result, shared_result)
     layout = shared_result["batch"]["prefix_sharing"]
-    assert (layout["document_ids"] >= 0).sum() < shared_result["batch"]["attention_mask"].sum()  # prompts shared
+    assert (layout.document_ids >= 0).sum() < shared_result["batch"]["attention_mask"].sum()  # prompts shared
     assert stock.evaluate()["eval_loss"] == pytest.approx(shared.evaluate()["eval_loss"], rel=1e-5)
 
 

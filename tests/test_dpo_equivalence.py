@@ -33,7 +33,7 @@ def assert_padded_to_multiple(stock_batch, layout, multiple):
     shared rows' width is a multiple too."""
     width = stock_batch["input_ids"].shape[1]
     assert width % multiple == 0 and stock_batch["attention_mask"].sum(1).max() < width, width
-    assert layout["input_ids"].shape[1] % multiple == 0, layout["input_ids"].shape
+    assert layout.input_ids.shape[1] % multiple == 0, layout.input_ids.shape
 
 
 @pytest.mark.parametrize("data", list(DATA))
@@ -43,7 +43,7 @@ def test_step_matches_stock(tmp_path, tokenizer, family, data):
     stock, shared = make_trainers(tmp_path, family, dataset, tokenizer, **overrides)
     stock_result, result = compare_step(stock, shared)
     layout = result["batch"]["prefix_sharing"]
-    assert (layout["document_ids"] >= 0).sum() < result["batch"]["attention_mask"].sum()
+    assert (layout.document_ids >= 0).sum() < result["batch"]["attention_mask"].sum()
     if "pad_to_multiple_of" in overrides:  # stock's rows padded past the longest one; the shared rows rounded alike
         assert_padded_to_multiple(stock_result["batch"], layout, overrides["pad_to_multiple_of"])
 
@@ -305,7 +305,7 @@ def test_policy_computes_fewer_positions_on_long_prompts(tmp_path, tokenizer):
     examples = [shared.train_dataset[i] for i in range(8)]
     batch = shared.data_collator(examples)
     stock_positions = int(batch["attention_mask"].sum())
-    shared_positions = int((batch["prefix_sharing"]["document_ids"] >= 0).sum())
+    shared_positions = int((batch["prefix_sharing"].document_ids >= 0).sum())
     assert shared_positions < 0.6 * stock_positions
     # and the padded tensors the model really runs on are smaller too
-    assert batch["prefix_sharing"]["input_ids"].numel() < 0.6 * batch["input_ids"].numel()
+    assert batch["prefix_sharing"].input_ids.numel() < 0.6 * batch["input_ids"].numel()

@@ -38,12 +38,10 @@ def long_pairs():
 
 def block_counts(block_mask, layout):
     """Blocks the BlockMask computes and its full blocks; blocks the dense mask touches and fills; causal blocks."""
-    subtree_end = layout["subtree_end"]
+    subtree_end = layout.subtree_end
     n, s = subtree_end.shape
     k = s // BLOCK
-    dense = dense_mask(
-        prefix_sharing_mask(subtree_end, layout["position_ids"], None, layout.get("key_visible")), n, s, s
-    )
+    dense = dense_mask(prefix_sharing_mask(subtree_end, layout.position_ids, None, layout.key_visible), n, s, s)
     blocks = dense.view(n, k, BLOCK, k, BLOCK).transpose(2, 3).reshape(n, k, k, BLOCK * BLOCK)
     full_kv = block_mask.full_kv_num_blocks
     computed = int(block_mask.kv_num_blocks.sum()) + (int(full_kv.sum()) if full_kv is not None else 0)
@@ -62,9 +60,9 @@ def test_whole_blocks_are_skipped_and_the_forward_equals_stock(tmp_path, tokeniz
     stock_loss, stock_metrics, stock_batch = forward(stock, list(stock.train_dataset), "train")
     loss, metrics, batch = forward(shared, examples, "train")
     layout = batch["prefix_sharing"]
-    block_mask = layout["attention_mask"]
+    block_mask = layout.attention_mask
     assert type(block_mask).__name__ == "BlockMask" and block_mask.BLOCK_SIZE == (BLOCK, BLOCK)
-    rows, width = layout["input_ids"].shape
+    rows, width = layout.input_ids.shape
     assert width % BLOCK == 0 and width >= 5 * BLOCK and rows == (1 if packing else 4), (rows, width)
     assert stock_batch["input_ids"].shape[1] > 2 * BLOCK  # stock's rows are several blocks long too
 

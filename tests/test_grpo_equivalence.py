@@ -94,7 +94,7 @@ def test_crafted_batch_log_probs_and_gradients_match_stock(tmp_path, tokenizer, 
     assert torch.equal(got[0][0], got[0][3])
     # the shared rows are shorter: each prompt once per chunk of 5 rows
     layout = shared_group_layout(input_ids[:5], attention_mask[:5], input_ids.shape[1] - keep, 0)
-    assert (layout["document_ids"] >= 0).sum() < attention_mask[:5].sum()
+    assert (layout.document_ids >= 0).sum() < attention_mask[:5].sum()
 
 
 def test_wrong_mask_fails(tmp_path, tokenizer, model_dirs, monkeypatch):
@@ -354,7 +354,7 @@ def test_one_layout_per_set_of_rows(tmp_path, tokenizer, model_dirs, monkeypatch
     """The old-policy and reference passes over a generation batch share a layout, and the training passes over a
     micro-batch (num_iterations=2) share one; fresh or modified tensors get a new one."""
     import trl_prefix_sharing.group_sharing as group_module
-    import trl_prefix_sharing.sharing as sharing_module
+    import trl_prefix_sharing.session as sharing_module
 
     builds, calls = [], []
     real_layout, real_call = sharing_module.shared_group_layout, group_module._SharedRowsModel.__call__

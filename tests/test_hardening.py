@@ -282,7 +282,7 @@ def test_qlora_4bit_matches_stock(tmp_path, tokenizer):
                 param.data.normal_(0, 0.05)
     _, shared = compare_step(*trainers, grad_tolerances={"atol": 1e-4, "rtol": 1e-2})
     assert shared["grads"] and all("lora" in name for name in shared["grads"])
-    assert trainers[1].sharing.model_check_result.passed  # the start-up check runs on the quantized PEFT model too
+    assert trainers[1].model_check.result.passed  # the start-up check runs on the quantized PEFT model too
 
 
 def test_kto_batch_moved_as_a_copy_still_shares_its_prompts(tmp_path, tokenizer, monkeypatch):

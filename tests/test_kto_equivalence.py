@@ -139,14 +139,14 @@ def spy_precompute_batch_sizes(monkeypatch) -> list[int]:
 
 def spy_layout_widths(monkeypatch) -> list[int]:
     """The widths of the shared rows of every layout built, recorded."""
-    from trl_prefix_sharing.sharing import PrefixSharing
+    from trl_prefix_sharing.session import PrefixSharingSession as PrefixSharing
 
     widths = []
     layout = PrefixSharing.layout
 
     def recording(self, *args, **kwargs):
         result = layout(self, *args, **kwargs)
-        widths.append(result["input_ids"].shape[1])
+        widths.append(result.input_ids.shape[1])
         return result
 
     monkeypatch.setattr(PrefixSharing, "layout", recording)

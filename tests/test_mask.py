@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trl_prefix_sharing.layout import build_shared_batch, prompt_lengths_from_completion_mask
+from trl_prefix_sharing.layout import RowPolicy, build_layout, plan_layout, prompt_lengths_from_completion_mask
 from trl_prefix_sharing.mask import dense_mask, on_path, prefix_sharing_mask
 
 
@@ -50,19 +50,21 @@ def _random_layout(rng, rows=3, docs=3):
         per_row = -(-len(lengths) // rows)
         return [list(range(i, min(i + per_row, len(lengths)))) for i in range(0, len(lengths), per_row)]
 
-    return build_shared_batch(input_ids, attention, prompt_lengths=prompts, rows=packing), attention
+    plan = plan_layout(input_ids, attention, prompt_lengths=prompts)
+    placement = tuple(map(tuple, packing([0] * int(plan.num_documents))))
+    return build_layout(input_ids, attention, rows=RowPolicy(pack=True, placement=placement), plan=plan), attention
 
 
 def _brute_force(layout, attention):
     """Query q sees key k when a stock row reads both and reads k at or before q (the row's own path)."""
-    n, s = layout["input_ids"].shape
+    n, s = layout.input_ids.shape
     out = torch.zeros(n * s, n * s, dtype=torch.bool)
-    index = layout["stock_index"]
+    index = layout.stock_index
     for r in range(index.shape[0]):
         path = index[r][attention[r].bool()].tolist()
         for c, q in enumerate(path):
             out[q, path[: c + 1]] = True
-    padding = (layout["document_ids"].view(-1) < 0).nonzero().flatten()
+    padding = (layout.document_ids.view(-1) < 0).nonzero().flatten()
     out[padding, padding] = True  # padding sees itself only
     rows = [out[b * s : (b + 1) * s, b * s : (b + 1) * s] for b in range(n)]
     return torch.stack(rows).unsqueeze(1)
@@ -71,8 +73,8 @@ def _brute_force(layout, attention):
 @pytest.mark.parametrize("seed", range(10))
 def test_dense_mask_equals_brute_force(seed):
     layout, attention = _random_layout(random.Random(seed))
-    n, s = layout["input_ids"].shape
-    mask = dense_mask(prefix_sharing_mask(layout["subtree_end"]), n, s, s)
+    n, s = layout.input_ids.shape
+    mask = dense_mask(prefix_sharing_mask(layout.subtree_end), n, s, s)
     assert mask.numel() > 0 and n > 1
     assert torch.equal(mask, _brute_force(layout, attention))
 
@@ -97,8 +99,8 @@ def test_flex_attention_forward_equals_dense_sdpa():
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     layout, _ = _random_layout(random.Random(5), rows=2, docs=3)
-    n, s = layout["input_ids"].shape
-    mask_mod = prefix_sharing_mask(layout["subtree_end"])
+    n, s = layout.input_ids.shape
+    mask_mod = prefix_sharing_mask(layout.subtree_end)
     torch.manual_seed(0)
     q, k, v = (torch.randn(n, 2, s, 8) for _ in range(3))
     block = create_block_mask(mask_mod, n, None, s, s, device="cpu", BLOCK_SIZE=16)

@@ -79,10 +79,10 @@ def test_check_rows_from_awkward_batches():
 def test_custom_type_that_honours_the_layout_trains_as_stock(tmp_path, tokenizer, model_type):
     stock, shared = _dpo(tmp_path, tokenizer, model_type)
     compare_step(stock, shared)
-    result = shared.sharing.model_check_result
+    result = shared.model_check.result
     assert result is not None and result.passed and result.values > 0
     assert result.difference <= result.tolerance == 1e-3  # float32's floor (the CPU spread is 0 here)
-    assert shared.sharing.pending_check == []  # once
+    assert shared.model_check.pending == []  # once
 
 
 def test_check_puts_every_module_mode_back(tmp_path, tokenizer):
@@ -93,8 +93,8 @@ def test_check_puts_every_module_mode_back(tmp_path, tokenizer):
     frozen.eval()
     modes = {name: module.training for name, module in shared.model.named_modules()}
     batch = shared._prepare_inputs(shared.data_collator(list(shared.train_dataset)))
-    shared.sharing.prepare(batch)
-    assert shared.sharing.model_check_result.passed
+    shared._prepare_layout(batch)
+    assert shared.model_check.result.passed
     assert {name: module.training for name, module in shared.model.named_modules()} == modes
     assert not frozen.training and shared.model.training
 
@@ -107,7 +107,7 @@ def test_model_that_breaks_the_layout_is_refused_before_training(tmp_path, token
     before = {n: p.detach().clone() for n, p in shared.model.named_parameters()}
     with pytest.raises(ValueError, match=_refusal(model_type)):
         step(shared, examples)
-    result = shared.sharing.model_check_result
+    result = shared.model_check.result
     assert result.values > 0 and result.difference > 100 * result.tolerance  # a wide margin
     for name, value in shared.model.named_parameters():
         assert torch.equal(value, before[name])
@@ -134,7 +134,7 @@ def test_always_checks_measured_models_too(tmp_path, tokenizer):
         ours={"prefix_sharing": True, "prefix_sharing_model_check": "always"},
     )
     compare_step(stock, shared)
-    assert shared.sharing.model_check_result.passed
+    assert shared.model_check.result.passed
     with pytest.raises(ValueError, match="prefix_sharing_model_check"):
         DPOConfig(output_dir=str(tmp_path), **CPU_RUN, prefix_sharing=True, prefix_sharing_model_check="never")
 
@@ -163,7 +163,7 @@ def test_reward_models_are_checked_on_their_rewards(tmp_path, tokenizer):
         else:
             with pytest.raises(ValueError, match=_refusal(model_type)):
                 reward_step(shared, examples)
-        results[model_type] = shared.sharing.model_check_result
+        results[model_type] = shared.model_check.result
     assert results["ps_plain_decoder"].passed and results["ps_plain_decoder"].compared == "rewards"
     assert results["ps_row_causal"].difference > 100 * results["ps_row_causal"].tolerance
 
@@ -176,7 +176,7 @@ def test_grpo_checks_the_first_generated_group(tmp_path, tokenizer, model_type):
         stock = train(make_group_trainer("grpo", False, copy.deepcopy(model), dataset, tokenizer, tmp_path))
         trainer = make_group_trainer("grpo", True, copy.deepcopy(model), dataset, tokenizer, tmp_path)
         assert_same_runs(stock, train(trainer))
-        assert trainer.sharing.model_check_result.passed and trainer.sharing.model_check_result.rows >= 4
+        assert trainer.model_check.result.passed and trainer.model_check.result.rows >= 4
     else:
         trainer = make_group_trainer("grpo", True, model, dataset, tokenizer, tmp_path)
         with pytest.raises(ValueError, match=_refusal(model_type)):
@@ -193,7 +193,7 @@ def test_check_under_lora(tmp_path, tokenizer):
         tmp_path, None, awkward_text_dataset(), tokenizer, model=model, ref_model=None, peft_config=lora
     )
     compare_step(stock, shared)
-    assert shared.sharing.model_check_result.passed
+    assert shared.model_check.result.passed
 
 
 @pytest.mark.parametrize("trainer", ["dpo", "reward"])
@@ -235,7 +235,7 @@ def test_trl_trust_remote_code_with_prefix_sharing(tmp_path, tokenizer, trainer)
         compare_step(stock, shared)
     else:
         assert_same_reward_step(reward_step(stock, examples), reward_step(shared, examples))
-    assert shared.sharing.model_check_result.passed
+    assert shared.model_check.result.passed
 
 
 def _other_trainer_step(name, tmp_path, tokenizer, model_type, monkeypatch):
@@ -281,11 +281,11 @@ def test_every_trainer_runs_the_check(tmp_path, tokenizer, monkeypatch, name, mo
     expected, ours, shared, assert_same = _other_trainer_step(name, tmp_path, tokenizer, model_type, monkeypatch)
     if model_type == "ps_plain_decoder":
         assert_same(expected, ours())
-        assert shared.sharing.model_check_result.passed
+        assert shared.model_check.result.passed
     else:
         with pytest.raises(ValueError, match=_refusal(model_type)):
             ours()
-        assert shared.sharing.model_check_result.difference > 100 * shared.sharing.model_check_result.tolerance
+        assert shared.model_check.result.difference > 100 * shared.model_check.result.tolerance
 
 
 def test_shared_rows_that_cannot_run_are_refused_with_the_cause(tmp_path, tokenizer):
@@ -299,4 +299,4 @@ def test_shared_rows_that_cannot_run_are_refused_with_the_cause(tmp_path, tokeni
         ValueError, match=r"could not run .* \(RuntimeError: no kernel for this mask\)\. Train it with"
     ):
         step(shared, list(shared.train_dataset))
-    assert shared.sharing.model_check_result.error == "RuntimeError: no kernel for this mask"
+    assert shared.model_check.result.error == "RuntimeError: no kernel for this mask"

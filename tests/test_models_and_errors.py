@@ -95,7 +95,7 @@ def test_flex_attention_through_the_model_matches_stock(tmp_path, tokenizer, fam
         batch = trainer._prepare_inputs(trainer.data_collator(examples))
         with torch.no_grad():
             results.append(trainer.compute_ref_log_probs(trainer.model, batch))
-    masks = batch["prefix_sharing"]["attention_mask"]
+    masks = batch["prefix_sharing"].attention_mask
     masks = masks.values() if isinstance(masks, dict) else [masks]
     assert all(isinstance(mask, BlockMask) for mask in masks)
     for expected, got in zip(*results, strict=True):
@@ -149,7 +149,7 @@ def test_refusals_say_why_for_the_family(model_type):
     lists of model types or the repository's scripts (a pip user has neither)."""
     from transformers import AutoConfig
 
-    from trl_prefix_sharing.sharing import check_architecture
+    from trl_prefix_sharing.support import check_architecture
 
     with pytest.raises(ValueError, match=FAMILY_ERRORS[model_type]) as error:
         check_architecture(AutoConfig.for_model(model_type), "DPOTrainer", supports_vision=True)
@@ -165,7 +165,7 @@ def test_unknown_decoder_goes_to_the_start_up_check():
     trusted as that type, and told how to have it checked."""
     from custom_models import custom_config
 
-    from trl_prefix_sharing import sharing
+    from trl_prefix_sharing import support as sharing
 
     model = SimpleNamespace(config=custom_config("ps_plain_decoder", 32))
     assert sharing.check_architecture(model.config, "DPOTrainer", True) == (

@@ -6,6 +6,7 @@ import torch
 from equivalence import assert_same_eval_metrics, assert_same_step, awkward_text_dataset, make_trainers, step
 from transformers.trainer_pt_utils import BatchRebalanceSampler
 
+from trl_prefix_sharing.layout import RowPolicy
 from trl_prefix_sharing.testing import synthetic_pairs
 
 
@@ -39,9 +40,9 @@ def test_packed_logps_and_gradient_equal_stock(tmp_path, tokenizer, family, pref
         tokenizer,
         ours={"packing": True, "packing_length": 512, "prefix_sharing": prefix_sharing},
     )
-    assert packed.data_collator.packing_row_length == "batch"  # dense (SDPA) backend: several rows per batch
+    assert packed.data_collator.rows == RowPolicy(pack=True)  # dense (SDPA) backend: several rows per batch
     if rows == "one_row":  # FlexAttention's layout: the whole batch in one row of packing_length
-        packed.data_collator.packing_row_length = None
+        packed.data_collator.rows = RowPolicy(pack=True, length=packed._packing_length, one_row=True)
     examples = list(stock.train_dataset)
     stock_result = step(stock, examples)
     # one optimizer step of one micro-batch on one rank, as `get_batch_samples` counts it before the step (scale 1)
@@ -49,11 +50,11 @@ def test_packed_logps_and_gradient_equal_stock(tmp_path, tokenizer, family, pref
     packed_result = step(packed, examples)
     layout = packed_result["batch"]["prefix_sharing"]
     if rows == "one_row":
-        assert layout["input_ids"].shape == (1, 512) and int(layout["document_ids"].max()) >= len(examples) - 1
+        assert layout.input_ids.shape == (1, 512) and int(layout.document_ids.max()) >= len(examples) - 1
     else:
-        longest = int(packed.data_collator.unpacked()(examples)["prefix_sharing"]["document_ids"].ge(0).sum(1).max())
-        assert layout["input_ids"].shape[0] > 1 and layout["input_ids"].shape[1] == longest
-        assert int(layout["document_ids"].max()) >= 1  # several documents share a row
+        longest = int(packed.data_collator.unpacked()(examples)["prefix_sharing"].document_ids.ge(0).sum(1).max())
+        assert layout.input_ids.shape[0] > 1 and layout.input_ids.shape[1] == longest
+        assert int(layout.document_ids.max()) >= 1  # several documents share a row
     assert_same_step(stock_result, packed_result)
     # the same pairs as two packed micro-batches of 3 and 5 pairs in one window: the loss rescale (scale 0.75 and 1.25)
     # makes them stock's one batch; without it each micro-batch's mean would weigh its pairs unequally
@@ -117,7 +118,7 @@ def test_training_uses_the_multipack_sampler(tmp_path, tokenizer):
         loader.batch_sampler.batch_sampler if hasattr(loader.batch_sampler, "batch_sampler") else loader.batch_sampler
     )
     assert isinstance(sampler, MultipackSampler)
-    assert packed.data_collator.packing_length % 128 == 0
+    assert packed._packing_length % 128 == 0
     assert sampler.efficiency() > 0.5
     seen = sorted(i for batch in sampler for i in batch)
     assert seen == list(range(len(packed.train_dataset)))
@@ -216,7 +217,9 @@ def test_mask_that_forgets_documents_fails(tmp_path, tokenizer, monkeypatch):
         tokenizer,
         ours={"prefix_sharing": True, "packing": True, "packing_length": 512},
     )
-    packed.data_collator.packing_row_length = None  # all examples in one row
+    packed.data_collator.rows = RowPolicy(
+        pack=True, length=packed._packing_length, one_row=True
+    )  # all examples in one row
     examples = list(stock.train_dataset)
     stock_result = step(stock, examples)
     assert_same_step(stock_result, step(packed, examples))  # the real mask passes

@@ -18,6 +18,7 @@ from equivalence import (
 from test_dpo_equivalence import assert_padded_to_multiple
 
 import trl_prefix_sharing.attention as attention_module
+from trl_prefix_sharing.layout import RowPolicy
 from trl_prefix_sharing.ranked import expand_ranked_to_pairs
 from trl_prefix_sharing.testing import FAMILIES, synthetic_pairs
 
@@ -61,7 +62,7 @@ def test_reward_step_matches_stock(tmp_path, tokenizer, family, data):
     stock, shared = make_reward_trainers(tmp_path, family, dataset, tokenizer, **overrides)
     stock_result, result = _compare(stock, shared)
     layout = result["batch"]["prefix_sharing"]
-    assert (layout["document_ids"] >= 0).sum() < result["batch"]["attention_mask"].sum()
+    assert (layout.document_ids >= 0).sum() < result["batch"]["attention_mask"].sum()
     if "pad_to_multiple_of" in overrides:
         assert_padded_to_multiple(stock_result["batch"], layout, overrides["pad_to_multiple_of"])
 
@@ -147,7 +148,7 @@ def test_reward_training_and_evaluation_match_stock(tmp_path, tokenizer):
 def test_reward_computes_fewer_positions_on_long_prompts(tmp_path, tokenizer):
     _, shared = make_reward_trainers(tmp_path, "llama", synthetic_pairs(8, (150, 250), (5, 20), seed=32), tokenizer)
     batch = shared.data_collator([shared.train_dataset[i] for i in range(8)])
-    assert int((batch["prefix_sharing"]["document_ids"] >= 0).sum()) < 0.6 * int(batch["attention_mask"].sum())
+    assert int((batch["prefix_sharing"].document_ids >= 0).sum()) < 0.6 * int(batch["attention_mask"].sum())
 
 
 def test_reward_packing_matches_stock(tmp_path, tokenizer):
@@ -158,12 +159,14 @@ def test_reward_packing_matches_stock(tmp_path, tokenizer):
     examples = list(stock.train_dataset)
     stock_result = reward_step(stock, examples)
     packed_result = reward_step(packed, examples, pairs_in_window=len(examples))  # several dense rows
-    assert packed_result["batch"]["prefix_sharing"]["input_ids"].shape[0] > 1
+    assert packed_result["batch"]["prefix_sharing"].input_ids.shape[0] > 1
     assert_same_reward_step(stock_result, packed_result)
-    packed.data_collator.packing_row_length = None  # one row, as with FlexAttention
+    packed.data_collator.rows = RowPolicy(
+        pack=True, length=packed._packing_length, one_row=True
+    )  # one row, as with FlexAttention
     packed._total_train_tokens = 0  # `num_tokens` is a running total
     packed_result = reward_step(packed, examples, pairs_in_window=len(examples))
-    assert packed_result["batch"]["prefix_sharing"]["input_ids"].shape == (1, 512)
+    assert packed_result["batch"]["prefix_sharing"].input_ids.shape == (1, 512)
     assert_same_reward_step(stock_result, packed_result)
 
 
@@ -216,7 +219,7 @@ def test_ranked_rewards_equal_k_separate_forwards(tmp_path, tokenizer):
     )
     examples = list(ours.train_dataset)
     result = reward_step(ours, examples)
-    assert result["batch"]["prefix_sharing"]["input_ids"].shape[0] == len(examples)  # one row per prompt
+    assert result["batch"]["prefix_sharing"].input_ids.shape[0] == len(examples)  # one row per prompt
     model = ours.model
     model.eval()
     separate = []

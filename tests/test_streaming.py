@@ -14,6 +14,7 @@ from equivalence import (
 )
 
 from trl_prefix_sharing import DPOTrainer
+from trl_prefix_sharing.layout import RowPolicy
 from trl_prefix_sharing.testing import make_model, synthetic_pairs
 
 
@@ -51,7 +52,7 @@ def test_streamed_packing_with_defaults_trains_like_stock_per_pair(tmp_path, tok
     )
     one_batch, _ = _make(kind, tmp_path, tokenizer, _stream(6, seed=40), per_device_train_batch_size=6, **common)
     # the default row budget: per_device_train_batch_size x 2 rows of max_length, rounded up to 128
-    assert packed.data_collator.packing_length == 512
+    assert packed._packing_length == 512
     for trainer in (stock, packed, one_batch):
         trainer.train()
     assert len(_losses(packed)) == len(_losses(one_batch)) == 1
@@ -94,15 +95,15 @@ def test_stream_batch_larger_than_packing_length_takes_several_rows(tmp_path, to
         max_steps=1,
         ours={"prefix_sharing": True, "packing": True, "packing_length": 128},
     )
-    packed.data_collator.packing_row_length = packed.data_collator.packing_length  # the FlexAttention stream layout
+    packed.data_collator.rows = RowPolicy(pack=True, length=packed._packing_length)  # the FlexAttention stream layout
     examples = list(stock.train_dataset)
     assert len(examples) == 8
     packed._pairs_in_window = len(examples)  # one optimizer step of one micro-batch on one rank
     packed.current_gradient_accumulation_steps = 1
     stock_result, packed_result = step(stock, examples), step(packed, examples)
     layout = packed_result["batch"]["prefix_sharing"]
-    assert layout["input_ids"].shape[0] > 1 and layout["input_ids"].shape[1] == 128
-    assert int(layout["document_ids"].max()) >= 1  # several pairs in a row
+    assert layout.input_ids.shape[0] > 1 and layout.input_ids.shape[1] == 128
+    assert int(layout.document_ids.max()) >= 1  # several pairs in a row
     assert_same_step(stock_result, packed_result)
 
 

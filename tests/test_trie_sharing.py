@@ -20,6 +20,7 @@ from equivalence import (
 )
 
 import trl_prefix_sharing.attention as attention_module
+from trl_prefix_sharing.layout import RowPolicy
 
 
 def _words(rng, n):
@@ -73,7 +74,7 @@ DATASETS = {"all_pairs": all_pairs_dataset, "multi_turn": multi_turn_dataset, "d
 
 
 def positions(batch) -> int:
-    return int((batch["prefix_sharing"]["document_ids"] >= 0).sum())
+    return int((batch["prefix_sharing"].document_ids >= 0).sum())
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -117,7 +118,9 @@ def test_trie_with_packing_and_precomputed_reference(tmp_path, tokenizer):
         torch.manual_seed(7)
         for param in trainer.model.parameters():
             param.data.add_(torch.randn_like(param), alpha=0.02)
-    shared.data_collator.packing_row_length = None  # all pairs in one packed row
+    shared.data_collator.rows = RowPolicy(
+        pack=True, length=shared._packing_length, one_row=True
+    )  # all pairs in one packed row
     examples = list(stock.train_dataset)
     assert_same_step(step(stock, examples), step(shared, examples))
 
@@ -174,5 +177,5 @@ def test_group_by_prompt_with_packing_packs_a_prompts_pairs_as_one_unit(tmp_path
         assert all(set(g) <= set(batch) or not set(g) & set(batch) for g in groups)
         examples = [shared.train_dataset[i] for i in batch]
         layout = shared.data_collator(examples)["prefix_sharing"]
-        assert (layout["document_ids"] >= 0).sum() <= shared.data_collator.packing_length
+        assert (layout.document_ids >= 0).sum() <= shared._packing_length
         assert_same_step(step(stock, [stock.train_dataset[i] for i in batch]), step(shared, examples))

@@ -14,6 +14,7 @@ pytest.importorskip("PIL", reason="the image processor needs Pillow")
 import trl_prefix_sharing.attention as attention_module  # noqa: E402
 import trl_prefix_sharing.vision as vision_module  # noqa: E402
 from trl_prefix_sharing import DPOTrainer  # noqa: E402
+from trl_prefix_sharing.layout import RowPolicy  # noqa: E402
 from trl_prefix_sharing.testing.vision import (  # noqa: E402
     VISION_FAMILIES,
     make_vision_config,
@@ -92,9 +93,9 @@ def test_step_matches_stock_with_images_once_per_pair(tmp_path, processors, fami
     batch = shared_result["batch"]
     layout = batch["prefix_sharing"]
     if data != "text_only":
-        assert layout["vision"]["pixel_values"].shape[0] * 2 == batch["pixel_values"].shape[0]
-    assert layout["vision"]["position_ids"].shape == (3, *layout["input_ids"].shape)
-    assert (layout["document_ids"] >= 0).sum() < batch["attention_mask"].sum()
+        assert layout.vision["pixel_values"].shape[0] * 2 == batch["pixel_values"].shape[0]
+    assert layout.vision["position_ids"].shape == (3, *layout.input_ids.shape)
+    assert (layout.document_ids >= 0).sum() < batch["attention_mask"].sum()
 
 
 def test_truncated_completions_match_stock(tmp_path, processors):
@@ -139,11 +140,12 @@ def test_packed_step_matches_stock(tmp_path, processors, prefix_sharing):
         dataset,
         ours={"prefix_sharing": prefix_sharing, "packing": True, "packing_length": 512},
     )
-    packed.data_collator.packing_row_length = None  # the whole batch in one row: images of several pairs in it
+    # the whole batch in one row: images of several pairs in it
+    packed.data_collator.rows = RowPolicy(pack=True, length=packed._packing_length, one_row=True)
     stock_result = step(stock, rows(dataset))
     packed_result = step(packed, rows(dataset))
     layout = packed_result["batch"]["prefix_sharing"]
-    assert layout["input_ids"].shape == (1, 512) and int(layout["document_ids"].max()) >= len(dataset) - 1
+    assert layout.input_ids.shape == (1, 512) and int(layout.document_ids.max()) >= len(dataset) - 1
     assert_same_step(stock_result, packed_result)
 
 

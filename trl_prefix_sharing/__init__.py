@@ -30,9 +30,11 @@ _EXPORTS = {
     "CPOTrainer": ".cpo_trainer",
     "MultipackSampler": ".sampler",
     "PrefixSharingCollator": ".collator",
-    "PrefixSharing": ".sharing",
+    "PrefixSharingSession": ".session",
+    "Layout": ".layout",
+    "RowPolicy": ".layout",
     "SUPPORTED_MODEL_TYPES": ".attention",
-    "build_shared_batch": ".layout",
+    "build_layout": ".layout",
     "dense_mask": ".mask",
     "prefix_sharing_mask": ".mask",
 }

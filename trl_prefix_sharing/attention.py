@@ -25,6 +25,7 @@ import torch
 from transformers.utils import logging
 
 from .architectures import supported_model_types, window_layout
+from .layout import Layout
 from .mask import block_mask, dense_mask, prefix_sharing_mask
 from .patching import patch_own, put_back_own
 from .vision import VISION_MODEL_TYPES, is_vision_config
@@ -220,18 +221,18 @@ def _generate_with(model, name: str, attn_implementation: str) -> None:
 
 
 @torch.no_grad()
-def build_attention_mask(layout: dict[str, torch.Tensor], attn_implementation: str, config):
+def build_attention_mask(layout: Layout, attn_implementation: str, config):
     """The mask object for one shared batch: a ``BlockMask``, a dense boolean tensor or an additive float one, or a
     per-layer-type dict when the model mixes full and sliding-window layers (Qwen2/Qwen3 with ``use_sliding_window``,
     Gemma 2/3, Cohere 2, GPT-OSS, ...). Built without autograd (a mask has no gradient), so the compiled
     `create_block_mask` sees one grad mode in training and evaluation steps alike (dynamo compiles a variant per grad
     mode)."""
-    subtree_end, position_ids = layout["subtree_end"], layout["position_ids"]
+    subtree_end, position_ids = layout.subtree_end, layout.position_ids
     n, s = subtree_end.shape
     device = subtree_end.device
 
     def make(window):
-        mask_mod = prefix_sharing_mask(subtree_end, position_ids, window, layout.get("key_visible"))
+        mask_mod = prefix_sharing_mask(subtree_end, position_ids, window, layout.key_visible)
         if attn_implementation == "flex_attention":
             return block_mask(mask_mod, n, s, s, device=device)
         if attn_implementation == "sdpa":

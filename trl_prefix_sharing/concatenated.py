@@ -106,6 +106,7 @@ class ConcatenatedSharingMixin(PrefixSharingMixin):
         num_pairs = batch["chosen_labels"].shape[0]
         examples = torch.arange(num_pairs, device=input_ids.device).repeat(2)  # row i and row B + i: pair i
         score_padding = self.args.prefix_sharing_score_padding
+        self._startup_check(input_ids, attention_mask, examples=examples)
         layout = self.sharing.layout(input_ids, attention_mask, examples=examples, score_padding=score_padding)
         # each column's next token (scored padding: every column, padding included, a placeholder for the last one;
         # else the columns that predict a real token)

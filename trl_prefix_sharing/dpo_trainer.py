@@ -111,5 +111,5 @@ class DPOTrainer(PreferenceSharingMixin, trl.DPOTrainer):
 
     def compute_ref_log_probs(self, model, inputs):
         if self.sharing is not None:
-            self.sharing.prepare(inputs)
+            self._prepare_layout(inputs)
         return super().compute_ref_log_probs(model, inputs)

@@ -26,7 +26,7 @@ import types
 
 import torch
 
-from .layout import gather_to_stock, shared_labels
+from .layout import Layout, gather_to_stock, shared_labels
 from .patching import is_patched, patch_of, patch_own, put_back_own
 from .vision import substitute as substitute_vision_inputs
 
@@ -83,33 +83,33 @@ def stock_logits_dtype(model) -> torch.dtype:
     return weight.dtype if weight.is_floating_point() else torch.float32
 
 
-def check_layout_matches(layout: dict, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+def check_layout_matches(layout: Layout, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
     """Refuse a layout that does not hold exactly the stock batch's tokens (e.g. a collator that changed the batch).
-    The shapes always; the tokens and the padding when the layout asks for checks (``layout["check"]``, see
+    The shapes always; the tokens and the padding when the layout asks for checks (``layout.check``, see
     `prefix_sharing_checks`: comparing them reads back from the device)."""
-    index = layout["stock_index"]
+    index = layout.stock_index
     if index.shape != input_ids.shape:
         raise RuntimeError(
             "Prefix-sharing layout does not match the stock batch (its shape differs). The layout must be built "
             "by PrefixSharingCollator from the same batch; a custom data collator has to emit right-padded "
             "`input_ids`/`attention_mask` and let PrefixSharingCollator wrap it."
         )
-    if not layout.get("check", True):
+    if not layout.check:
         return
     real = index >= 0
     if attention_mask is not None:  # the stock tokens, and the padding after them where the layout scores it
-        attention_mask = attention_mask.cumsum(dim=1) > 0 if "key_visible" in layout else attention_mask.bool()
+        attention_mask = attention_mask.cumsum(dim=1) > 0 if layout.key_visible is not None else attention_mask.bool()
     if attention_mask is not None and not torch.equal(real, attention_mask):
         raise RuntimeError(
             "Prefix-sharing layout does not match the stock batch (shape or padding differ). The layout must be built "
             "by PrefixSharingCollator from the same batch; a custom data collator has to emit right-padded "
             "`input_ids`/`attention_mask` and let PrefixSharingCollator wrap it."
         )
-    if not torch.equal(layout["input_ids"].reshape(-1)[index[real]], input_ids[real]):
+    if not torch.equal(layout.input_ids.reshape(-1)[index[real]], input_ids[real]):
         raise RuntimeError("Prefix-sharing layout does not hold the stock batch's tokens.")
 
 
-def _take_stock_inputs(kwargs: dict, layout: dict, replaced: tuple[str, ...]):
+def _take_stock_inputs(kwargs: dict, layout: Layout, replaced: tuple[str, ...]):
     """The start of every shared call: refuse the inputs the layout replaces (``replaced``), take the stock
     ``input_ids`` and ``attention_mask`` out of ``kwargs`` and check the layout against them. Returns those two, the
     layout's mask and the shared rows' position ids (a vision batch's inputs in ``kwargs`` swapped for the shared
@@ -117,7 +117,7 @@ def _take_stock_inputs(kwargs: dict, layout: dict, replaced: tuple[str, ...]):
     for name in replaced:
         if kwargs.get(name) is not None:
             raise ValueError(f"Prefix sharing builds its own inputs; `{name}` cannot be passed alongside the layout.")
-    mask = layout.get("attention_mask")
+    mask = layout.attention_mask
     if mask is None:
         raise RuntimeError(
             "The prefix-sharing attention mask was not built for this batch. Call the model through the trainer "
@@ -131,7 +131,7 @@ def _take_stock_inputs(kwargs: dict, layout: dict, replaced: tuple[str, ...]):
     return input_ids, stock_attention_mask, mask, position_ids
 
 
-def _shared_forward(original_forward, kwargs: dict, layout: dict):
+def _shared_forward(original_forward, kwargs: dict, layout: Layout):
     from trl.trainer.utils import FusedCausalLMOutput
 
     # stock `shift_labels` (a label for every column, the last included) or `labels` (shifted here, as stock shifts)
@@ -156,10 +156,10 @@ def _shared_forward(original_forward, kwargs: dict, layout: dict):
     hooks = [] if router_logits is None else _capture_router_logits(model.base_model, router_logits)
     try:
         outputs = original_forward(
-            input_ids=layout["input_ids"],
+            input_ids=layout.input_ids,
             attention_mask=mask,
             position_ids=position_ids,
-            shift_labels=shared_labels(layout, stock_labels, check=layout.get("check", True), shifted=shifted),
+            shift_labels=shared_labels(layout, stock_labels, check=layout.check, shifted=shifted),
             **({"output_router_logits": False} if moe else {}),
             **kwargs,
         )
@@ -167,7 +167,7 @@ def _shared_forward(original_forward, kwargs: dict, layout: dict):
         for hook in hooks:
             hook.remove()
 
-    index = layout["stock_index"] if shifted else layout["stock_index"][:, :-1]
+    index = layout.stock_index if shifted else layout.stock_index[:, :-1]
     valid = (index >= 0) & ((shift_labels if shifted else labels[:, 1:]) != -100)
     fields = {}
     for name in _PER_TOKEN_FIELDS:
@@ -183,7 +183,7 @@ def _shared_forward(original_forward, kwargs: dict, layout: dict):
     return FusedCausalLMOutput(loss=loss, label_mask=valid, aux_loss=aux_loss, **fields)
 
 
-def _shared_logits_forward(original_forward, kwargs: dict, layout: dict):
+def _shared_logits_forward(original_forward, kwargs: dict, layout: Layout):
     """The model's own (unfused) forward on the shared rows; its logits gathered back to the stock rows, for the last
     ``logits_to_keep`` stock columns (all of them when 0), as the stock call would return them. Only the logits."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -198,9 +198,9 @@ def _shared_logits_forward(original_forward, kwargs: dict, layout: dict):
     if hasattr(original_forward.__self__.config.get_text_config(), "output_router_logits"):
         kwargs["output_router_logits"] = False  # MoE: the auxiliary loss is not returned here (it needs stock's rows)
     logits = original_forward(
-        input_ids=layout["input_ids"], attention_mask=mask, position_ids=position_ids, use_cache=False, **kwargs
+        input_ids=layout.input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False, **kwargs
     ).logits
-    index = layout["stock_index"][:, -keep:]
+    index = layout.stock_index[:, -keep:]
     return CausalLMOutputWithPast(logits=gather_to_stock(logits, index, index >= 0))
 
 
@@ -219,21 +219,21 @@ def _capture_router_logits(backbone, captured: list) -> list:
     ]
 
 
-def _stock_aux_loss(router_logits, layout: dict, stock_attention_mask, text_config):
+def _stock_aux_loss(router_logits, layout: Layout, stock_attention_mask, text_config):
     """The load-balancing loss TRL's fused head computes on the stock batch: per layer, the shared rows' router logits
     gathered to the stock positions (a prompt token counts once per stock row, as in stock), the stock 2-D mask."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     if stock_attention_mask is None:
         raise ValueError("The router's auxiliary loss under prefix sharing needs the stock `attention_mask`.")
-    index = layout["stock_index"].reshape(-1).clamp(min=0)  # padding: any row, the stock mask drops it
+    index = layout.stock_index.reshape(-1).clamp(min=0)  # padding: any row, the stock mask drops it
     gathered = tuple(layer.reshape(-1, layer.shape[-1])[index] for layer in router_logits)
     return load_balancing_loss_func(
         gathered, text_config.num_experts, text_config.num_experts_per_tok, stock_attention_mask
     )
 
 
-def _shared_classification_forward(model, kwargs: dict, layout: dict):
+def _shared_classification_forward(model, kwargs: dict, layout: Layout):
     """Sequence classification (reward models): the backbone on the shared rows, the score head read where stock
     transformers reads it, i.e. at the rightmost token of each stock row that is not `pad_token_id`."""
     from transformers.modeling_outputs import SequenceClassifierOutputWithPast
@@ -243,7 +243,7 @@ def _shared_classification_forward(model, kwargs: dict, layout: dict):
     )
     kwargs.pop("margin", None)  # TRL's reward trainer hands the whole batch to the model
     hidden = getattr(model, model.base_model_prefix)(
-        input_ids=layout["input_ids"],
+        input_ids=layout.input_ids,
         attention_mask=mask,
         position_ids=position_ids,
         use_cache=False,
@@ -254,7 +254,7 @@ def _shared_classification_forward(model, kwargs: dict, layout: dict):
         raise ValueError("Sequence classification needs `pad_token_id` in the model config to find the last token.")
     positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
     last = (positions * (input_ids != pad_token_id)).argmax(-1)  # transformers' pooling rule, on the stock rows
-    flat = layout["stock_index"][torch.arange(input_ids.shape[0], device=input_ids.device), last]
+    flat = layout.stock_index[torch.arange(input_ids.shape[0], device=input_ids.device), last]
     pooled = hidden.reshape(-1, hidden.shape[-1])[flat]
     return SequenceClassifierOutputWithPast(logits=model.score(pooled))
 

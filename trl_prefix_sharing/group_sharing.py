@@ -127,11 +127,10 @@ class _SharedRowsModel:
     def __call__(self, **kwargs):
         input_ids, attention_mask = kwargs["input_ids"], kwargs["attention_mask"]
         whole = self.source is not None and input_ids.shape[0] == self.source[0].shape[0]
+        prompt_length = input_ids.shape[1] - self.logits_to_keep
+        self.trainer._startup_check(input_ids, attention_mask, prompt_lengths=attention_mask[:, :prompt_length].sum(1))
         layout = self.trainer.sharing.generated_layout(
-            input_ids,
-            attention_mask,
-            input_ids.shape[1] - self.logits_to_keep,
-            source=self.source if whole else None,
+            input_ids, attention_mask, prompt_length, source=self.source if whole else None
         )
         if torch.is_grad_enabled():
             self.trainer._count_positions(attention_mask, layout)
@@ -209,7 +208,7 @@ class GroupSharingTrainerMixin(PrefixSharingMixin):
     def _count_positions(self, attention_mask, layout) -> None:
         """Token positions the training forward computes (all ranks), kept on the device: `num_shared_tokens` when
         logging, and a log line comparing them with stock's after the first step."""
-        counts = torch.stack([attention_mask.sum(), (layout["document_ids"] >= 0).sum()]).to(attention_mask.device)
+        counts = torch.stack([attention_mask.sum(), layout.num_positions]).to(attention_mask.device)
         counts = self.accelerator.gather_for_metrics(counts.unsqueeze(0)).sum(0)
         self._shared_positions = counts[1] if self._shared_positions is None else self._shared_positions + counts[1]
         if not self._sharing_logged and self.args.should_log:

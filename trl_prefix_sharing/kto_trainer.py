@@ -34,7 +34,7 @@ import trl
 
 from .config import _SHARING_DOC, PrefixSharingArguments
 from .forward import prefix_sharing_forward, unwrap_model
-from .layout import prompt_lengths_from_completion_mask
+from .layout import Layout, prompt_lengths_from_completion_mask
 from .sharing import PrefixSharingMixin
 from .trl_internals import check_trl_internals
 
@@ -124,7 +124,7 @@ class _SharedKTOBatch:
         self.pending: dict = {}  # model -> placeholder KL log-probs the next main call fills in
         self.answers: dict = {}  # model -> KL output of a merged pass, for the next KL call
 
-    def _layout(self, name: str) -> dict:
+    def _layout(self, name: str) -> Layout:
         if name not in self._layouts:
             if name == "merged":
                 rows, examples = self.merged_rows(), torch.arange(self.main.input_ids.shape[0]).repeat(2)
@@ -258,6 +258,11 @@ class KTOTrainer(PrefixSharingMixin, trl.KTOTrainer):
             return
         if self._is_vision_dataset:
             raise ValueError("Prefix sharing for KTO is text-only; train vision data with `prefix_sharing=False`.")
+        self._startup_check(
+            inputs["input_ids"],
+            inputs["attention_mask"],
+            prompt_lengths=prompt_lengths_from_completion_mask(inputs["attention_mask"], inputs["completion_mask"]),
+        )
         self.sharing.attach()  # the routed calls reach the models through the shared forward
         self._shared_batch = shared = _SharedKTOBatch(self.sharing, inputs, stash_kl)
         self.sharing.router = self._route

@@ -39,17 +39,19 @@ shape.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 
 
 __all__ = [
+    "Layout",
+    "RowPolicy",
     "LayoutPlan",
     "plan_layout",
     "assemble_layout",
-    "build_shared_batch",
+    "build_layout",
     "shared_group_layout",
     "shared_labels",
     "gather_to_stock",
@@ -66,6 +68,107 @@ _NO_TOKEN = -1
 _SCORED_PAD = -2
 #: elements of the pairwise comparison done at once (rows x rows x columns), bounding its memory
 _COMPARE_CHUNK = 1 << 24
+
+
+@dataclass
+class Layout:
+    """The shared rows of a micro-batch's stock rows, and the way back to stock (see the module docstring).
+
+    Made by `build_layout` (a pure function of the stock rows); the trainer's session adds the mask in the form its
+    attention kernel takes (`attention_mask`), and for a vision batch the images once per example (`vision`). It
+    travels in the batch under the key `"prefix_sharing"` and is moved to the device with it (`to`).
+
+    Args:
+        input_ids: `[N, S]` tokens of the shared rows (padding: the pad id).
+        position_ids: `[N, S]` each token's column in its stock row.
+        document_ids: `[N, S]` the document of each position within its row, -1 for padding.
+        subtree_end: `[N, S]` the end of each key's subtree: query `q` sees key `k` when `k <= q < subtree_end[k]`
+            (padding: itself only).
+        stock_index: `[R, L]` the flat place (into `N * S`) of every stock token, -1 for stock padding.
+        key_visible: `[N, S]` False for laid-out stock padding that is scored but never a key (`score_padding`), or
+            None.
+        attention_mask: the mask of `subtree_end` in the form the attention kernel takes (a FlexAttention
+            `BlockMask` or a dense additive mask), or None until the session adds it.
+        check: whether the forward verifies the shared rows against the stock rows (a host sync on an accelerator).
+        vision: the images of a vision batch, once per example, and their M-RoPE positions, or None.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    document_ids: torch.Tensor
+    subtree_end: torch.Tensor
+    stock_index: torch.Tensor
+    key_visible: torch.Tensor | None = None
+    attention_mask: Any = None
+    check: bool = True
+    vision: dict | None = None
+
+    @property
+    def num_positions(self) -> torch.Tensor:
+        """0-d: the token positions the shared rows hold (what the model computes, padding excluded)."""
+        return (self.document_ids >= 0).sum()
+
+    def to(self, device, non_blocking: bool = False) -> Layout:
+        """This layout on `device` (what accelerate calls when it moves a batch)."""
+        return replace(self, **{f.name: _moved(getattr(self, f.name), device, non_blocking) for f in fields(self)})
+
+    def pin_memory(self) -> Layout:
+        """This layout in pinned memory (what a `DataLoader` with `pin_memory=True` calls)."""
+        return replace(self, **{f.name: _moved(getattr(self, f.name), None, False) for f in fields(self)})
+
+
+def _moved(value, device, non_blocking: bool):
+    """`value` on `device` (None: in pinned memory): tensors, dicts of them and anything with `to` (a `BlockMask`)."""
+    if isinstance(value, dict):
+        return {key: _moved(item, device, non_blocking) for key, item in value.items()}
+    if device is None:
+        return value.pin_memory() if isinstance(value, torch.Tensor) else value
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=non_blocking)
+    return value.to(device) if hasattr(value, "to") else value
+
+
+@dataclass(frozen=True)
+class RowPolicy:
+    """Where a layout puts its documents: one per row (the default), or several per row (packing).
+
+    Args:
+        pack: several documents per row, placed by first-fit decreasing (or as `placement` says).
+        length: the rows' fixed width. None: as wide as needed (unpacked: the longest document, rounded up to
+            `multiple`; packed: first-fit decreasing into rows as wide as the longest document, the width dense
+            attention pays no more for than stock's padded rows).
+        one_row: packed: every document in one row of `length` tokens (a packing sampler made the batch fit).
+        multiple: round a width that is not fixed up to a multiple of this (fewer compiled shapes).
+        placement: packed: the documents (numbered in the trie's order) of each row, fixed (drawings, tests).
+    """
+
+    pack: bool = False
+    length: int | None = None
+    one_row: bool = False
+    multiple: int | None = None
+    placement: tuple[tuple[int, ...], ...] | None = None
+
+    def place(self, lengths: list[int]) -> list[list[int]]:
+        """The documents of each row, given every document's length (packed policies only)."""
+        if self.placement is not None:
+            return [list(row) for row in self.placement]
+        if self.one_row:
+            return [list(range(len(lengths)))]
+        from .sampler import first_fit_decreasing
+
+        capacity = self.length if self.length is not None else max(lengths, default=1)
+        order = sorted(range(len(lengths)), key=lambda d: -lengths[d])
+        return first_fit_decreasing(order, lengths, capacity)
+
+    def width(self, needed: int) -> int:
+        """The rows' width when the widest row needs `needed` tokens; an error if a fixed width is too narrow."""
+        if self.length is not None:
+            if needed > self.length:
+                raise ValueError(f"A packed row needs {needed} tokens, more than its length of {self.length}.")
+            return self.length
+        if self.multiple and not self.pack:
+            return -(-needed // self.multiple) * self.multiple
+        return needed
 
 
 @dataclass
@@ -251,7 +354,7 @@ def assemble_layout(
     document_base: torch.Tensor | None = None,
     document_slot: torch.Tensor | None = None,
     pad_token_id: int = 0,
-) -> dict[str, torch.Tensor]:
+) -> Layout:
     """Allocate the shared rows ``[num_rows, width]`` and place the plan's documents in them.
 
     Args:
@@ -297,46 +400,43 @@ def assemble_layout(
     subtree_end.scatter_reduce_(0, flat[laid], row_end[laid], reduce="amax")
     stock_index = torch.full((num_stock, stock_width), -1, dtype=torch.long, device=device)
     stock_index[plan.order] = flat
-    layout = {
-        "input_ids": out_ids.view(num_rows, width),
-        "position_ids": out_pos.view(num_rows, width),
-        "document_ids": out_doc.view(num_rows, width),
-        "subtree_end": subtree_end.view(num_rows, width),
-        "stock_index": stock_index,
-    }
+    key_visible = None
     if plan.score_padding:
-        visible = torch.ones(size, dtype=torch.bool, device=device)
-        visible[targets] = (depth < plan.real_lengths[:, None])[new]
-        layout["key_visible"] = visible.view(num_rows, width)
-    return layout
+        key_visible = torch.ones(size, dtype=torch.bool, device=device)
+        key_visible[targets] = (depth < plan.real_lengths[:, None])[new]
+        key_visible = key_visible.view(num_rows, width)
+    return Layout(
+        input_ids=out_ids.view(num_rows, width),
+        position_ids=out_pos.view(num_rows, width),
+        document_ids=out_doc.view(num_rows, width),
+        subtree_end=subtree_end.view(num_rows, width),
+        stock_index=stock_index,
+        key_visible=key_visible,
+    )
 
 
-def build_shared_batch(
+def build_layout(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     prompt_lengths: torch.Tensor | None = None,
     examples: torch.Tensor | None = None,
     across_examples: bool = True,
     share: bool = True,
-    rows: Sequence[Sequence[int]] | Callable[[list[int]], Sequence[Sequence[int]]] | None = None,
+    rows: RowPolicy | None = None,
     pad_token_id: int = 0,
-    pad_to_multiple_of: int | None = None,
-    row_length: int | None = None,
     score_padding: bool = False,
     check: bool = True,
     plan: LayoutPlan | None = None,
-) -> dict[str, torch.Tensor]:
-    """The shared layout of stock rows: :func:`plan_layout`, then :func:`assemble_layout`.
+) -> Layout:
+    """The shared layout of stock rows: `plan_layout`, then `assemble_layout`. A pure function of the rows.
 
     Args:
-        rows: which documents go in which shared row (packing), documents numbered in the plan's (sorted) order, or a
-            function of the documents' lengths that says so; default one document per row. Placing documents reads
-            their lengths on the host.
+        rows: where the documents go (`RowPolicy`): one per row (the default), or packed. Packing reads the documents'
+            lengths on the host.
+        pad_token_id: the token that pads the shared rows.
         plan: the plan of these rows, if already made (the other planning arguments are then unused).
-        pad_to_multiple_of: round the shared row length up to a multiple of this.
-        row_length: fixed shared row length (packing); an error if a row does not fit.
 
-    Other arguments: see :func:`plan_layout`. One device-to-host read (the number of documents and the longest).
+    Other arguments: see `plan_layout`. One device-to-host read (the number of documents and the longest).
     """
     plan = plan or plan_layout(
         input_ids,
@@ -348,19 +448,19 @@ def build_shared_batch(
         score_padding=score_padding,
         check=check,
     )
+    rows = rows or RowPolicy()
     placement = {}
-    if rows is None:
+    if not rows.pack:
         num_rows, needed = torch.stack([plan.num_documents, plan.document_lengths.max()]).tolist()
     else:
         num_documents = int(plan.num_documents)
         lengths = plan.document_lengths[:num_documents].tolist()
-        if callable(rows):
-            rows = rows(lengths)
-        if sorted(d for row in rows for d in row) != list(range(num_documents)):
-            raise ValueError("`rows` must place every document exactly once.")
+        placed = rows.place(lengths)
+        if sorted(d for row in placed for d in row) != list(range(num_documents)):
+            raise ValueError("A row policy's placement must place every document exactly once.")
         row_of, base, slot = ([0] * len(lengths) for _ in range(3))
         row_lens = []
-        for r, row in enumerate(rows):
+        for r, row in enumerate(placed):
             cursor = 0
             for number, d in enumerate(row):
                 row_of[d], base[d], slot[d] = r, cursor, number
@@ -372,16 +472,10 @@ def build_shared_batch(
             "document_base": torch.tensor(base, device=device),
             "document_slot": torch.tensor(slot, device=device),
         }
-        num_rows, needed = len(rows), max(row_lens, default=0)
-    if row_length is None:
-        width = needed
-        if pad_to_multiple_of:
-            width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
-    else:
-        width = row_length
-        if needed > width:
-            raise ValueError(f"A packed row needs {needed} tokens, more than row_length={width}.")
-    return assemble_layout(plan, num_rows, max(width, 1), pad_token_id=pad_token_id, **placement)
+        num_rows, needed = len(placed), max(row_lens, default=0)
+    layout = assemble_layout(plan, num_rows, max(rows.width(needed), 1), pad_token_id=pad_token_id, **placement)
+    layout.check = check
+    return layout
 
 
 def shared_group_layout(
@@ -392,31 +486,31 @@ def shared_group_layout(
     pad_to_multiple_of: int | None = None,
     score_padding: bool = False,
     check: bool = True,
-) -> dict[str, torch.Tensor]:
+) -> Layout:
     """The shared layout of generated rows ``[prompt (prompt_length columns) | completion]`` (GRPO, RLOO, online DPO),
     on the rows' device: a row's prompt is its tokens in the prompt columns, so a prompt's generations (and duplicate
     prompts') form one document (``score_padding``: see :func:`plan_layout`)."""
     prompt_lengths = attention_mask[:, :prompt_length].sum(dim=1)
-    return build_shared_batch(
+    return build_layout(
         input_ids,
         attention_mask,
         prompt_lengths=prompt_lengths,
+        rows=RowPolicy(multiple=pad_to_multiple_of),
         pad_token_id=pad_token_id,
-        pad_to_multiple_of=pad_to_multiple_of,
         score_padding=score_padding,
         check=check,
     )
 
 
-def shared_positions(layout: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``[N, S]``: positions of the shared rows that more than one stock position reads (the shared prefixes)."""
-    index = layout["stock_index"]
-    counts = torch.bincount(index[index >= 0], minlength=layout["input_ids"].numel())
-    return (counts > 1).view_as(layout["input_ids"])
+def shared_positions(layout: Layout) -> torch.Tensor:
+    """`[N, S]`: positions of the shared rows that more than one stock position reads (the shared prefixes)."""
+    index = layout.stock_index
+    counts = torch.bincount(index[index >= 0], minlength=layout.input_ids.numel())
+    return (counts > 1).view_as(layout.input_ids)
 
 
 def shared_labels(
-    layout: dict[str, torch.Tensor], stock_labels: torch.Tensor, check: bool = True, shifted: bool = False
+    layout: Layout, stock_labels: torch.Tensor, check: bool = True, shifted: bool = False
 ) -> torch.Tensor:
     """Next-token labels on the shared rows (``shift_labels`` for the fused LM head) from the stock ``labels``
     (``shifted``: the stock rows' own ``shift_labels``, the label of each column itself, last column included).
@@ -425,14 +519,14 @@ def shared_labels(
     position give it the same label (the next token on the path is unique where two rows score it). ``check``
     verifies that (a host sync on the rows' device).
     """
-    index = layout["stock_index"] if shifted else layout["stock_index"][:, :-1]
+    index = layout.stock_index if shifted else layout.stock_index[:, :-1]
     labels = (stock_labels if shifted else stock_labels[:, 1:]).to(index.device)
     valid = (index >= 0) & (labels != -100)
-    flat = torch.full((layout["input_ids"].numel(),), -100, dtype=torch.long, device=index.device)
+    flat = torch.full((layout.input_ids.numel(),), -100, dtype=torch.long, device=index.device)
     flat[index[valid]] = labels[valid]
     if check and not torch.equal(flat[index[valid]], labels[valid]):
         raise RuntimeError("Prefix-sharing layout error: a shared position would score two different labels.")
-    return flat.view_as(layout["input_ids"])
+    return flat.view_as(layout.input_ids)
 
 
 def gather_to_stock(shared: torch.Tensor, index: torch.Tensor, valid: torch.Tensor, fill=0) -> torch.Tensor:

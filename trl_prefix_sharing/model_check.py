@@ -28,9 +28,21 @@ import time
 from dataclasses import dataclass
 
 import torch
+from transformers.utils import logging
 
 
-__all__ = ["MODES", "TOLERANCE", "SPREAD_FACTOR", "ModelCheckResult", "check_rows", "distributed", "run_model_check"]
+__all__ = [
+    "MODES",
+    "TOLERANCE",
+    "SPREAD_FACTOR",
+    "ModelCheckResult",
+    "StartupCheck",
+    "check_rows",
+    "distributed",
+    "run_model_check",
+]
+
+logger = logging.get_logger(__name__)
 
 #: `prefix_sharing_model_check`: for the models the measured registry does not cover, or for every model
 MODES = ("auto", "always")
@@ -290,3 +302,78 @@ def run_model_check(
         seconds=time.perf_counter() - start,
         error=error,
     )
+
+
+class StartupCheck:
+    """The start-up check as a phase of its own: the trainer runs it once, on the stock rows of its first batch,
+    before it lays out anything (`run`); no layout call enters it.
+
+    Args:
+        models: the trainer's models (policy first), unwrapped.
+        reasons: for each model, why the check must judge it (None: the registry measured its type equal).
+        mode: `prefix_sharing_model_check`: `"auto"` judges the models with a reason, `"always"` every model.
+    """
+
+    def __init__(self, models, reasons, mode: str = "auto"):
+        from .vision import is_vision_config
+
+        if mode == "always":
+            if any(is_vision_config(model.config) for model in models):
+                raise ValueError(
+                    "`prefix_sharing_model_check='always'` runs text rows; a vision-language model is judged by its "
+                    "measured registry entry. Set `prefix_sharing_model_check='auto'`."
+                )
+            reasons = [reason or "requested (`prefix_sharing_model_check='always'`)" for reason in reasons]
+        #: the models still to judge, and why (empty: none, or the check has run)
+        self.pending = [(model, reason) for model, reason in zip(models, reasons, strict=True) if reason]
+        #: what the check measured (the policy's result when it checked several models)
+        self.result: ModelCheckResult | None = None
+
+    def run(self, session, input_ids, attention_mask, prompt_lengths=None, examples=None) -> None:
+        """Judge the pending models on a few examples of these stock rows, once: each run as stock rows and as the
+        rows' shared layout from `session` (without gradients). Logs the measured difference in one line; raises,
+        naming it, when the shared layout does not give the model's stock numbers."""
+        if not self.pending:
+            return
+        if prompt_lengths is None and examples is None:
+            raise ValueError("The start-up check needs the prompt lengths or the examples of the rows.")
+        from .architectures import window_layout
+        from .forward import _is_sequence_classifier
+
+        pending, self.pending = self.pending, []
+        rows = check_rows(input_ids, attention_mask, prompt_lengths=prompt_lengths, examples=examples)
+
+        def layout_fn(ids, mask, lengths, example_ids):
+            return session.layout(ids, mask, prompt_lengths=lengths, examples=example_ids)
+
+        session.attach()
+        router, session.router = session.router, None  # the check's stock rows run as stock
+        try:
+            for model, reason in pending:
+                kind = "classifier" if _is_sequence_classifier(model) else "fused"
+                window = window_layout(model.config)[0]
+                result = run_model_check(
+                    model, rows, layout_fn, kind, session.pad_token_id, window=window, autocast=session.autocast
+                )
+                self._judge(model, reason, result)
+        finally:
+            session.router = router
+
+    def _judge(self, model, reason: str, result: ModelCheckResult) -> None:
+        if self.result is None:
+            self.result = result
+        name = f"'{model.config.get_text_config().model_type}' ({type(model).__name__})"
+        if result.error is not None:
+            raise ValueError(
+                f"Prefix sharing is refused for {name}: the start-up check could not run a few examples of the first "
+                f"batch as prefix-shared rows ({result.error}). Train it with `prefix_sharing=False`."
+            )
+        if not result.passed:
+            raise ValueError(
+                f"Prefix sharing is refused for {name}: the start-up check ran a few examples of the first batch as "
+                f"stock rows and as prefix-shared rows, and they differ ({result.summary()}). The model does not give "
+                "its own numbers under the shared layout's attention mask and position ids. Train it with "
+                "`prefix_sharing=False`."
+            )
+        if not distributed() or torch.distributed.get_rank() == 0:
+            logger.warning(f"Prefix sharing: start-up check of {name}, {reason}: equal ({result.summary()}).")

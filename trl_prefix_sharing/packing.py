@@ -27,6 +27,7 @@ from transformers.utils import logging
 
 from .collator import unit_lengths
 from .distributed import gather_variable, variable_size_gathers
+from .layout import RowPolicy
 from .sampler import MultipackSampler
 
 
@@ -122,22 +123,22 @@ class PackingMixin:
         self._unit_lengths_cache = {}
         self._metric_weights = {"train": {}, "eval": {}}
         self._packing_logged = False
+        self._packing_length = None  # tokens per packed row, resolved when the collator is wrapped
 
     # ----------------------------------------------------------------------------------------------- set-up
-    def _setup_packing(self) -> None:
-        """Size the packed rows of the (already wrapped) collator."""
-        if not self.packing:
-            return
-        collator = self.data_collator
-        collator.packing_length = self._resolve_packing_length()
-        if self.sharing.attn_implementation != "flex_attention":
-            # dense attention costs the square of the row length whatever the mask: several rows per batch, as
-            # long as its longest document (never more attention than stock's padded rows), not one long row
-            collator.packing_row_length = "batch"
-        elif self._streams():
-            # a stream has no sampler to make a batch fit one row: the collator packs what arrives into as many
-            # rows of `packing_length` as it needs (first-fit decreasing); a map-style batch still takes one
-            collator.packing_row_length = collator.packing_length
+    def _packed_rows(self, dense: bool) -> RowPolicy:
+        """The row policy of packed batches, handed to the collator once it is wrapped (the rows' length is measured
+        with it). `dense`: the attention kernel costs the square of the row length whatever the mask (SDPA, eager),
+        so a batch takes several rows as long as its longest document (never more attention than stock's padded
+        rows) instead of one long row."""
+        self._packing_length = self._resolve_packing_length()
+        if dense:
+            return RowPolicy(pack=True)
+        if self._streams():
+            # a stream has no sampler to make a batch fit one row: what arrives goes into as many rows of
+            # `packing_length` as it needs (first-fit decreasing); a map-style batch takes one
+            return RowPolicy(pack=True, length=self._packing_length)
+        return RowPolicy(pack=True, length=self._packing_length, one_row=True)
 
     def _unit_lengths(self, dataset, grouped: bool = False) -> list[int]:
         """Each example's packing unit; ``grouped``: each prompt group's (`group_by_prompt`), in `_groups` order."""
@@ -205,7 +206,7 @@ class PackingMixin:
         self._setup_prefix_sharing()
         return TrainerMultipackSampler(
             self._unit_lengths(dataset, grouped=grouped),
-            self.data_collator.packing_length,
+            self._packing_length,
             num_replicas=self.args.world_size,
             rank=self.args.process_index,
             seed=self.args.seed,
@@ -329,14 +330,14 @@ class PackingMixin:
             if isinstance(self.train_dataset, Dataset):
                 sampler = self._multipack_sampler(self.train_dataset, shuffle=True)
                 logger.warning(
-                    f"Packing: rows of {self.data_collator.packing_length} tokens, {len(sampler)} per epoch "
+                    f"Packing: rows of {self._packing_length} tokens, {len(sampler)} per epoch "
                     f"on this rank, {100 * sampler.efficiency():.1f}% of their tokens used."
                 )
             else:
                 logger.warning(
                     f"Packing a streamed dataset: each batch of {self.args.per_device_train_batch_size} "
                     "examples as it arrives (no lengths to read ahead, so no multipack sampler), in rows of "
-                    f"at most {self.data_collator.packing_length} tokens."
+                    f"at most {self._packing_length} tokens."
                 )
         self._packing_logged = True
         return super().train(*args, **kwargs)

@@ -12,6 +12,8 @@ import torch
 from datasets import Dataset
 from transformers.utils import logging
 
+from .collator import PrefixSharingCollator
+from .examples import example_ids, prompt_lengths
 from .packing import PackingMixin
 from .sharing import PrefixSharingMixin
 from .stats import sharing_stats
@@ -26,14 +28,29 @@ class PreferenceSharingMixin(PackingMixin, PrefixSharingMixin):
     """Prefix sharing and packing for a preference trainer (DPO, reward); see the module docstring."""
 
     def _setup_collator(self) -> None:
-        self.data_collator = self.sharing.collator(self.data_collator, share_prefix=self.prefix_sharing)
-        self._setup_packing()
+        """The stock collator wrapped to add each batch's layout: unpacked rows as the session rounds them, or packed
+        rows as packing's row policy says (`_packed_rows`, given whether the session's kernel is dense)."""
+        if isinstance(self.data_collator, PrefixSharingCollator):
+            return
+        self.data_collator = PrefixSharingCollator(
+            self.data_collator, self.sharing.pad_token_id, rows=self.sharing.rows, share_prefix=self.prefix_sharing
+        )
+        if self.packing:
+            self.data_collator.rows = self._packed_rows(dense=self.sharing.attn_implementation != "flex_attention")
+
+    def _prepare_layout(self, inputs):
+        """The start-up check on the batch's stock rows (first batch only), then its layout completed for the forward
+        (see `PrefixSharingSession.prepare`)."""
+        self._startup_check(
+            inputs["input_ids"], inputs["attention_mask"], prompt_lengths(inputs), examples=example_ids(inputs)
+        )
+        return self.sharing.prepare(inputs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.sharing is not None:
-            layout = self.sharing.prepare(inputs)
+            layout = self._prepare_layout(inputs)
             if self.model.training:  # token positions the training forwards really computed, on every rank, kept on
-                shared = self.accelerator.gather_for_metrics((layout["document_ids"] >= 0).sum()).sum()  # the device
+                shared = self.accelerator.gather_for_metrics(layout.num_positions).sum()  # the device
                 self._total_shared_tokens = self._total_shared_tokens + shared
         return super().compute_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch

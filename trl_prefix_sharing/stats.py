@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .examples import example_groups
+
 
 __all__ = ["GroupStats", "SharingStats", "causal_pairs", "group_stats", "sharing_stats"]
 
@@ -57,7 +59,7 @@ def sharing_stats(dataset, collator, max_examples: int = 10_000, chunk_size: int
         examples = [dataset[i] for i in range(start, min(start + chunk_size, n))]
         batch = collator.base_collator(examples)
         units = torch.tensor(collator.unit_lengths(batch))
-        rows = torch.tensor([int(batch["attention_mask"][group].sum()) for group in collator.example_groups(batch)])
+        rows = torch.tensor([int(batch["attention_mask"][group].sum()) for group in example_groups(batch)])
         stock += int(rows.sum())
         shared += int(units.sum())
         unshared += int((units == rows).sum())

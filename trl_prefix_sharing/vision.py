@@ -31,6 +31,7 @@ import inspect
 import torch
 
 from .architectures import window_layout
+from .layout import Layout
 
 
 __all__ = [
@@ -154,9 +155,9 @@ def shared_vision_inputs(model, inputs, layout) -> dict[str, torch.Tensor]:
     config = model.config
     check_supported_vision_model(config)
     base_model = getattr(model, model.base_model_prefix)
-    index = layout["stock_index"]
+    index = layout.stock_index
     input_ids = inputs["input_ids"]
-    shared_ids = layout["input_ids"]
+    shared_ids = layout.input_ids
 
     pixel_values, grid = inputs.get("pixel_values"), inputs.get("image_grid_thw")
     image_token_id = config.image_token_id
@@ -177,7 +178,7 @@ def shared_vision_inputs(model, inputs, layout) -> dict[str, torch.Tensor]:
             )
 
     stock_positions = _stock_position_ids(base_model, inputs)
-    base_positions = layout["position_ids"].to(stock_positions.device).unsqueeze(0).expand(3, -1, -1)
+    base_positions = layout.position_ids.to(stock_positions.device).unsqueeze(0).expand(3, -1, -1)
     out = {"position_ids": _to_shared(stock_positions, index, base_positions, "M-RoPE positions")}
 
     mm_token_type_ids = inputs.get("mm_token_type_ids")
@@ -215,10 +216,10 @@ def shared_vision_inputs(model, inputs, layout) -> dict[str, torch.Tensor]:
     return out
 
 
-def substitute(kwargs: dict, layout: dict) -> torch.Tensor:
+def substitute(kwargs: dict, layout: Layout) -> torch.Tensor:
     """Replace the stock vision inputs in a forward's ``kwargs`` by the shared rows' ones; return the shared rows'
     position ids (M-RoPE rows for a vision batch, the layout's own otherwise)."""
-    vision = layout.get("vision")
+    vision = layout.vision
     if vision is None:
         present = vision_inputs_in(kwargs)
         if present:
@@ -226,7 +227,7 @@ def substitute(kwargs: dict, layout: dict) -> torch.Tensor:
                 f"Prefix sharing got vision inputs {present} without their shared layout: call the model through the "
                 "trainer (it lays out the images once per step), or train with `prefix_sharing=False`."
             )
-        return layout["position_ids"]
+        return layout.position_ids
     _check_keys(kwargs)
     for key in _VISION_KEYS:
         kwargs.pop(key, None)

@@ -1,0 +1,240 @@
+"""The session: what one trainer holds to run its models on shared layouts.
+
+A `PrefixSharingSession` owns the trainer's models and what every layout of theirs needs: the attention kernel
+(chosen once, in `attention.choose_attn_implementation`), the pad id and the row rounding of the shared rows, and
+the model patches (attention switched, forward wrapped; scoped to these model instances, applied by `attach` and
+undone by `detach`). It builds nothing of its own: a layout is the pure `layout.build_layout` of the stock rows, and
+the session adds the mask in its kernel's form (`with_mask`), once per layout, so the policy and reference passes
+share it.
+
+Every trainer reaches it in one line per batch:
+
+- preference trainers (DPO, reward): `session.prepare(inputs)` completes the `Layout` the collator put in the batch;
+- trainers that build their stock rows in the step (ORPO, CPO, KTO): `session.layout(input_ids, attention_mask, ...)`;
+- online trainers (GRPO, RLOO, online DPO): `session.generated_layout(input_ids, attention_mask, prompt_length)` on
+  the rows TRL generated, kept while those rows live.
+
+The start-up model check is a phase of its own (`model_check.StartupCheck`), which the trainer runs before its first
+layout; the session does not call it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+
+import torch
+
+from .attention import AttentionSwitch, build_attention_mask, choose_attn_implementation, shared_row_multiple
+from .forward import install_prefix_sharing_forward, remove_prefix_sharing_forward
+from .layout import Layout, RowPolicy, build_layout, shared_group_layout
+from .patching import is_patched, keep_own, mark_patched, put_back_own
+from .vision import has_vision_inputs, shared_vision_inputs
+
+
+__all__ = ["PrefixSharingSession", "pad_token_id"]
+
+#: the attribute of a model that keeps its forward from before TRL's fused log-prob head was added here
+_UNFUSED = "_prefix_sharing_unfused_forward"
+
+
+def pad_token_id(processing_class) -> int:
+    """The pad id of a tokenizer, or of a processor's tokenizer (the shared rows' padding; any id is exact there)."""
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return pad if pad is not None else 0
+
+
+class PrefixSharingSession:
+    """The models of one trainer and what their layouts need; see the module docstring.
+
+    Args:
+        models: the trainer's models (policy first, then the reference model if it has its own), unwrapped.
+        processing_class: the trainer's tokenizer or processor (for the pad id).
+        attn_implementation: `prefix_sharing_attn_implementation` (`"auto"`, `"flex_attention"` or `"sdpa"`).
+        device: the device the models train on (decides `"auto"`).
+        pad_to_multiple_of: the config's `pad_to_multiple_of`: what the shared rows' width is rounded up to (under
+            FlexAttention, its block size by default).
+        fuse_lm_head: add TRL's fused log-prob head to the models first (for a trainer that materialises logits in
+            stock, such as online DPO): the shared rows are then scored without logits over the prompt. A tuple: the
+            per-token fields the head computes (its `outputs`, e.g. `("log_probs", "mean_logits")`).
+        checks: `prefix_sharing_checks` (None: where the batch is on the CPU).
+        autocast: the trainer's `accelerator.autocast`: the shared calls of a model that accelerate already wrapped
+            in mixed precision (a reference model prepared in TRL's `__init__`) run inside it, as stock's calls do.
+    """
+
+    def __init__(
+        self,
+        models,
+        processing_class,
+        attn_implementation: str,
+        device,
+        pad_to_multiple_of=None,
+        fuse_lm_head: bool | tuple[str, ...] = False,
+        checks: bool | None = None,
+        autocast=None,
+    ):
+        self.models = list(models)
+        self.pad_token_id = pad_token_id(processing_class)
+        self.attn_implementation = choose_attn_implementation(self.models, attn_implementation, device)
+        self.row_multiple = shared_row_multiple(self.attn_implementation, pad_to_multiple_of)
+        self.checks = checks
+        self.autocast = autocast
+        #: a trainer whose TRL code calls its models without a layout sets this: `router(model, kwargs)` gives the
+        #: layout of a fused call's rows, a finished output, or None (see `install_prefix_sharing_forward`)
+        self.router = None
+        self.attached = False
+        self._fuse_lm_head = fuse_lm_head
+        self._switch = AttentionSwitch()
+        self._layouts = _LayoutCache()
+
+    @property
+    def rows(self) -> RowPolicy:
+        """Unpacked shared rows: one document per row, the width rounded up to this session's multiple."""
+        return RowPolicy(multiple=self.row_multiple)
+
+    # ----------------------------------------------------------------------------------------------- models
+    def attach(self) -> None:
+        """Patch the models: (TRL's fused log-prob head,) the attention implementation, the shared forward. The
+        trainer attaches for the length of `train()`, `evaluate()` and `predict()`, and on first use by a direct call
+        of a step; idempotent."""
+        if self.attached:
+            return
+        if self._fuse_lm_head:
+            from trl.trainer.utils import add_fused_lm_head
+
+            outputs = self._fuse_lm_head if isinstance(self._fuse_lm_head, tuple) else ("log_probs",)
+            for model in self.models:
+                if not is_patched(model, _UNFUSED):
+                    keep_own(model, "forward", _UNFUSED)
+                    add_fused_lm_head(model, outputs=outputs)
+                    mark_patched(model, "forward", _UNFUSED)
+        for model in self.models:
+            self._switch.apply(model, self.attn_implementation)
+            install_prefix_sharing_forward(model, autocast=self.autocast, route=self._route)
+        self.attached = True
+
+    def detach(self) -> None:
+        """Undo the patches of `attach`: the models run on their own attention implementation and generate as
+        stock. A forward that accelerate has since wrapped in its mixed precision (a model prepared for training)
+        stays beneath that wrapper, passing every call without a layout through unchanged (taking it out would drop
+        accelerate's wrapper too); every other patch is taken out."""
+        for model in self.models:
+            if remove_prefix_sharing_forward(model):
+                put_back_own(model, "forward", _UNFUSED)
+        self._switch.restore()
+        self.attached = False
+
+    def _route(self, model, kwargs: dict):
+        return None if self.router is None else self.router(model, kwargs)
+
+    # ----------------------------------------------------------------------------------------------- layouts
+    def with_mask(self, layout: Layout) -> Layout:
+        """`layout` with its attention mask in this session's kernel's form, and whether its forward checks it (built
+        once per layout; the layout is returned)."""
+        if layout.attention_mask is None:
+            layout.check = self.checks if self.checks is not None else layout.input_ids.device.type == "cpu"
+            layout.attention_mask = build_attention_mask(layout, self.attn_implementation, self.models[0].config)
+        return layout
+
+    def prepare(self, inputs: Mapping) -> Layout:
+        """Complete the layout a collated batch carries (`inputs["prefix_sharing"]`) for the forward: its mask, and for
+        a vision batch its images once per example. Built once per batch, shared by the policy and reference passes.
+        Returns the layout."""
+        layout = inputs.get("prefix_sharing") if isinstance(inputs, Mapping) else None
+        if not isinstance(layout, Layout):
+            raise RuntimeError("Prefix sharing is on but the batch has no layout: was the data collator replaced?")
+        self.attach()
+        self.with_mask(layout)
+        if layout.vision is None and has_vision_inputs(inputs):  # images once per pair, M-RoPE positions
+            layout.vision = shared_vision_inputs(self.models[0], inputs, layout)
+        return layout
+
+    def layout(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        prompt_lengths: torch.Tensor | None = None,
+        examples: torch.Tensor | None = None,
+        score_padding: bool = False,
+    ) -> Layout:
+        """The layout, with its mask, of stock rows built in the training step (the trie of the rows; `examples`,
+        `prompt_lengths` and `score_padding`: see `plan_layout`). On the rows' device; one host read."""
+        self.attach()
+        layout = build_layout(
+            input_ids,
+            attention_mask,
+            prompt_lengths=prompt_lengths,
+            examples=examples,
+            rows=self.rows,
+            pad_token_id=self.pad_token_id,
+            score_padding=score_padding,
+            check=self._checks_on(input_ids),
+        )
+        return self.with_mask(layout)
+
+    def generated_layout(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        prompt_length: int,
+        score_padding: bool = False,
+        source: tuple[torch.Tensor, ...] | None = None,
+    ) -> Layout:
+        """The layout, with its mask, of generated rows `[left-padded prompt | completion]` (the trie of the rows: a
+        prompt's generations, and duplicate prompts', computed once; `score_padding`: see `plan_layout`).
+
+        Built once per set of rows: it is kept while the tensors the rows were read from live unchanged (`source`,
+        default `input_ids` and `attention_mask`; views of one generation batch count as the same rows), so the
+        old-policy, reference and training passes over the same rows share one layout and one mask."""
+        self.attach()
+        source = (input_ids, attention_mask) if source is None else source
+        key = (prompt_length, score_padding)
+        layout = self._layouts.get(source, key)
+        if layout is None:
+            layout = shared_group_layout(
+                input_ids,
+                attention_mask,
+                prompt_length,
+                self.pad_token_id,
+                self.row_multiple,
+                score_padding=score_padding,
+                check=self._checks_on(input_ids),
+            )
+            self._layouts.put(source, key, self.with_mask(layout))
+        return layout
+
+    def _checks_on(self, tensor: torch.Tensor) -> bool:
+        return self.checks if self.checks is not None else tensor.device.type == "cpu"
+
+
+class _LayoutCache:
+    """Layouts keyed by the tensors they were built from: the same storage, offset, shape and strides, unchanged
+    (tensor version counters), while that storage lives (a weak reference to its base tensor; dropped with it)."""
+
+    def __init__(self):
+        self._entries: dict = {}
+
+    @staticmethod
+    def _key(tensors, extra) -> tuple:
+        bases = [t._base if t._base is not None else t for t in tensors]
+        return (
+            tuple(
+                (id(b), t.storage_offset(), tuple(t.shape), t.stride(), t._version)
+                for t, b in zip(tensors, bases, strict=True)
+            ),
+            extra,
+        ), bases
+
+    def get(self, tensors, extra):
+        key, bases = self._key(tensors, extra)
+        entry = self._entries.get(key)
+        if entry is None or any(ref() is not base for ref, base in zip(entry[0], bases, strict=True)):
+            return None
+        return entry[1]
+
+    def put(self, tensors, extra, layout) -> None:
+        key, bases = self._key(tensors, extra)
+        self._entries[key] = ([weakref.ref(b) for b in bases], layout)
+        for base in bases:
+            weakref.finalize(base, self._entries.pop, key, None)
