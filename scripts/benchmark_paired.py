@@ -219,7 +219,7 @@ class PositionCounter:
             else:  # the layout's tokens (each prompt once), and with stock's scored padding
                 placed = layout.document_ids >= 0
                 laid = int(placed.sum())
-                tokens = int((placed & layout.key_visible).sum()) if "key_visible" in layout else laid
+                tokens = int((placed & layout.key_visible).sum()) if layout.key_visible is not None else laid
             values = {"calls": 1, "positions": ids.numel(), "tokens": tokens, "laid": laid}
             values["scores"] = ids.shape[0] * ids.shape[1] ** 2
             weight = GRAD_WEIGHT if torch.is_grad_enabled() else 1

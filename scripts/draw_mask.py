@@ -20,7 +20,7 @@ import random
 
 import torch
 
-from trl_prefix_sharing.layout import build_layout
+from trl_prefix_sharing.layout import RowPolicy, build_layout
 from trl_prefix_sharing.mask import block_mask, dense_mask, prefix_sharing_mask
 
 
@@ -56,8 +56,7 @@ def lay_out(documents, row_length=None):
         ids,
         attention_mask,
         prompt_lengths=torch.tensor(prompt_lengths),
-        rows=[list(range(len(documents)))],  # every document in one row (packing)
-        row_length=row_length,
+        rows=RowPolicy(pack=True, one_row=True, length=row_length),  # every document in one row (packing)
     )
     size = layout.input_ids.shape[1]
     readers = [set() for _ in range(size)]  # the stock rows that read each shared position, and at which column

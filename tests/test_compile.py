@@ -44,7 +44,7 @@ def test_flex_attention_compiles_a_bounded_number_of_times_and_equals_stock(tmp_
     stock, shared = make_trainers(tmp_path, "llama", train, tokenizer, eval_dataset=evaluation)
     for trainer in (stock, shared):
         trainer.ref_model.eval()  # as `from_pretrained` leaves it: every step switches FlexAttention's training flag
-    assert shared.sharing.attn_implementation == "flex_attention" and shared.data_collator.pad_to_multiple_of == 128
+    assert shared.sharing.attn_implementation == "flex_attention" and shared.data_collator.rows.multiple == 128
     # each pair its own document, so that every width stays in one 128-token bucket: pairs that share a prompt start
     # join one longer document (tests/test_trie_sharing.py), which can cross buckets and make the width dynamic, and a
     # dynamic width hits the CPU kernel bug above (tests/test_cuda.py crosses buckets on CUDA)
@@ -115,7 +115,7 @@ def test_the_cuda_compile_schedule_crosses_two_width_buckets(tmp_path, tokenizer
     as_on_cuda(monkeypatch)
     train, evaluation = cuda_schedule_data()
     _, shared = make_trainers(tmp_path, "llama", train, tokenizer, eval_dataset=evaluation)
-    assert shared.data_collator.pad_to_multiple_of == 128
+    assert shared.data_collator.rows.multiple == 128
     data = {"train": shared.train_dataset, "eval": shared.eval_dataset}
     shapes = set()
     for mode, indices in compile_schedule(len(train), len(evaluation), batch_size=4, steps=30, eval_every=10):

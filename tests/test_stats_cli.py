@@ -194,7 +194,7 @@ def test_group_positions_match_the_shared_layout():
         layout = shared_group_layout(ids, torch.ones_like(ids), p, pad_token_id=0)
         stats = group_stats([p], c, g)
         assert stats.stock_tokens == g * (p + c)
-        assert stats.shared_tokens == int((layout["document_ids"] >= 0).sum())
+        assert stats.shared_tokens == int((layout.document_ids >= 0).sum())
 
 
 # ------------------------------------------------------------------------------------------ user mistakes
@@ -283,3 +283,200 @@ def test_stats_user_mistakes_are_one_clean_line(workspace, tokenizer, capsys, mo
         args = [*args, "--model_name_or_path", "tok"]
     code = main(args)
     assert message in _one_error_line(capsys.readouterr().err, code)
+
+
+# ------------------------------------------------------------------------------------------ TRL's preprocessing
+#
+# `stats` prepares preference data with TRL's public data functions and its own tokenization; these compare its
+# columns with those of TRL's (private) `_prepare_dataset` of the trainers, called on instances built without a model.
+
+#: a chat template that renders a prompt alone with an opening thought block, which the whole conversation lacks
+_THINKING_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|> {{ message['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> w199 {% endif %}"
+)
+
+
+def _user(text):
+    return {"role": "user", "content": text}
+
+
+def _assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+#: explicit prompts: a one-token prompt, an empty completion, one that already ends with EOS, a prompt ending inside a
+#: word (its last token is not a prefix of the prompt + completion's), a prompt longer than the tests' `max_length` (7)
+#: and one exactly as long (both dropped with `keep_start`: no completion token would be left)
+_PLAIN = [
+    {"prompt": "w1", "chosen": " w2 w3", "rejected": " w4"},
+    {"prompt": "w1 w2 w3", "chosen": "", "rejected": " w5 w6 w7 w8"},
+    {"prompt": "w9 w10", "chosen": " w11<eos>", "rejected": " w12 w13"},
+    {"prompt": "w1 w", "chosen": "2 w3", "rejected": "4 w5 w6"},
+    {"prompt": " ".join(f"w{i}" for i in range(20, 32)), "chosen": " w40", "rejected": " w41 w42"},
+    {"prompt": "w1 w2 w3 w4 w5 w6 w7", "chosen": " w8 w9", "rejected": " w8 w10"},
+]
+#: implicit prompts (the start `chosen` and `rejected` share), one with none at all
+_IMPLICIT = [
+    {"chosen": "w1 w2 w3 w4", "rejected": "w1 w2 w5"},
+    {"chosen": "w6", "rejected": "w6 w7"},
+    {"chosen": "w1 w2", "rejected": "w3 w4"},
+    {"chosen": "w8 w9 w10 w11 w12 w13 w15", "rejected": "w8 w9 w10 w11 w14"},
+]
+_CHAT = [
+    {"prompt": [_user("w1")], "chosen": [_assistant("w2 w3")], "rejected": [_assistant("w4")]},
+    {"prompt": [_user("w1 w2")], "chosen": [_assistant("")], "rejected": [_assistant("w5 w6")]},
+    {
+        "prompt": [_user("w1"), _assistant("w2 w3"), _user(" ".join(f"w{i}" for i in range(20, 30)))],
+        "chosen": [_assistant("w7")],
+        "rejected": [_assistant("w8 w9")],
+    },
+]
+_CHAT_IMPLICIT = [
+    {"chosen": [_user("w1 w2"), _assistant("w3")], "rejected": [_user("w1 w2"), _assistant("w4 w5")]},
+    {"chosen": [_user("w6"), _assistant("")], "rejected": [_user("w6"), _assistant("w7")]},
+]
+_CHAT_TOOLS = [  # tools as JSON text, as a dataset column of mixed tool lists holds them
+    {**row, "tools": json.dumps([{"type": "function", "function": {"name": "w50"}}] if i % 2 else [])}
+    for i, row in enumerate(_CHAT)
+]
+_DATASETS = {
+    "plain": _PLAIN,
+    "implicit": _IMPLICIT,
+    "chat": _CHAT,
+    "chat_implicit": _CHAT_IMPLICIT,
+    "chat_tools": _CHAT_TOOLS,
+    "chat_thinking": _CHAT,
+}
+
+
+def _preference_tokenizer(tokenizer, name):
+    if name != "chat_thinking":
+        return tokenizer
+    import copy
+
+    thinking = copy.deepcopy(tokenizer)
+    thinking.chat_template = _THINKING_TEMPLATE
+    return thinking
+
+
+def _trl_config(cls, tmp_path, **kwargs):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return cls(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **kwargs)
+
+
+def _columns(dataset, names):
+    return {name: list(dataset[name]) for name in names}
+
+
+@pytest.mark.parametrize("limits", [(None, "keep_start"), (7, "keep_start"), (7, "keep_end")], ids=str)
+@pytest.mark.parametrize("name", list(_DATASETS))
+def test_stats_dpo_preprocessing_is_trls(tokenizer, tmp_path, name, limits):
+    """`stats`' DPO columns equal those of TRL's `DPOTrainer._prepare_dataset`, examples dropped included."""
+    import datasets
+    import trl
+
+    from trl_prefix_sharing.cli.stats import dpo_dataset
+
+    max_length, truncation_mode = limits
+    tokenizer = _preference_tokenizer(tokenizer, name)
+    dataset = datasets.Dataset.from_list(_DATASETS[name])
+    config = _trl_config(trl.DPOConfig, tmp_path, max_length=max_length, truncation_mode=truncation_mode)
+    trainer = object.__new__(trl.DPOTrainer)
+    trainer._tokenizer = tokenizer
+    expected = trainer._prepare_dataset(dataset, tokenizer, config, "train")
+    ours = dpo_dataset(dataset, tokenizer, max_length, truncation_mode)
+    names = ["prompt_ids", "chosen_ids", "rejected_ids"]
+    assert _columns(ours, names) == _columns(expected, names)
+    if name == "plain":  # the awkward cases are there
+        rows = _columns(ours, names)
+        assert 1 in map(len, rows["prompt_ids"])  # a one-token prompt
+        assert [tokenizer.eos_token_id] in rows["chosen_ids"]  # an empty completion: EOS only
+        assert (len(ours) < len(dataset)) == (max_length is not None and truncation_mode == "keep_start")
+
+
+_REWARD_DATASETS = {
+    "plain": _PLAIN,
+    "implicit": _IMPLICIT,
+    "chat": _CHAT,
+    "chat_implicit": _CHAT_IMPLICIT,
+    "chat_tools": _CHAT_TOOLS,
+    "margin": [{**row, "margin": float(i)} for i, row in enumerate(_PLAIN)],
+    "legacy_ids": [
+        {"chosen_input_ids": [1, 2, 3], "rejected_input_ids": [1, 4]},
+        {"chosen_input_ids": list(range(9)), "rejected_input_ids": [5]},
+    ],
+}
+
+
+@pytest.mark.parametrize("max_length", [None, 7])
+@pytest.mark.parametrize("name", list(_REWARD_DATASETS))
+def test_stats_reward_preprocessing_is_trls(tokenizer, tmp_path, name, max_length):
+    """`stats`' reward columns equal those of TRL's `RewardTrainer._prepare_dataset`, examples dropped included."""
+    import warnings
+
+    import datasets
+    import trl
+
+    from trl_prefix_sharing.cli.stats import reward_dataset
+
+    dataset = datasets.Dataset.from_list(_REWARD_DATASETS[name])
+    config = _trl_config(trl.RewardConfig, tmp_path, max_length=max_length)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # TRL's deprecation of the legacy column names
+        expected = object.__new__(trl.RewardTrainer)._prepare_dataset(dataset, tokenizer, config, "train")
+    ours = reward_dataset(dataset, tokenizer, max_length)
+    assert _columns(ours, ["chosen_ids", "rejected_ids"]) == _columns(expected, ["chosen_ids", "rejected_ids"])
+    assert ("margin" in ours.column_names) == (name == "margin")
+    if max_length:
+        assert 0 < len(ours) < len(dataset)  # the limit dropped some examples, not all
+
+
+@pytest.mark.parametrize("max_length", [None, 9])
+@pytest.mark.parametrize("conversational", [False, True])
+def test_stats_ranked_preprocessing_is_the_reward_trainers(tokenizer, tmp_path, conversational, max_length):
+    """Ranked data: `stats`' `completion_ids` equal those of this package's `RewardTrainer._prepare_dataset`."""
+    import datasets
+
+    from trl_prefix_sharing.cli.stats import reward_dataset
+    from trl_prefix_sharing.config import RewardConfig
+    from trl_prefix_sharing.reward_trainer import RewardTrainer
+
+    rows = [
+        {"prompt": "w1", "completions": [" w2", "", " w3 w4 w5"]},
+        {"prompt": "w1 w2 w3 w4", "completions": [" w5 w6 w7 w8 w9", " w10"]},
+        {"prompt": "w6 w7", "completions": [" w8", " w9<eos>"]},
+    ]
+    if conversational:
+        rows = [
+            {"prompt": [_user(row["prompt"])], "completions": [[_assistant(c.strip())] for c in row["completions"]]}
+            for row in rows
+        ]
+    dataset = datasets.Dataset.from_list(rows)
+    config = _trl_config(RewardConfig, tmp_path, max_length=max_length)
+    expected = object.__new__(RewardTrainer)._prepare_dataset(dataset, tokenizer, config, "train")
+    ours = reward_dataset(dataset, tokenizer, max_length)
+    assert _columns(ours, ["completion_ids"]) == _columns(expected, ["completion_ids"])
+    assert len(ours) == len(dataset) - (1 if max_length else 0)
+
+
+def test_stats_dpo_warns_once_of_a_prompt_end_counted_as_completion(tokenizer, monkeypatch):
+    """A prompt ending inside a word (`w1 w` + `2 w3`): its last token is not where prompt + completion continue;
+    counted as completion, as TRL does, with one warning naming it."""
+    import warnings
+
+    import datasets
+
+    from trl_prefix_sharing.cli import stats
+
+    monkeypatch.setattr(stats, "_prompt_end_noted", [])
+    dataset = datasets.Dataset.from_list([_PLAIN[3], _PLAIN[3], _PLAIN[0]])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prepared = stats.dpo_dataset(dataset, tokenizer, None, "keep_start")
+    notes = [str(w.message) for w in caught if "is counted as completion" in str(w.message)]
+    assert len(notes) == 1 and "prompt's end '<unk>'" in notes[0]
+    assert [len(ids) for ids in prepared["prompt_ids"]] == [1, 1, 1]

@@ -213,3 +213,94 @@ def test_ci_runs_every_tier_and_the_fast_tier_keeps_the_equivalence_matrix():
     assert len(guards) >= 7
     for path in guards:
         assert "mark.long" not in path.read_text(), path.name
+
+
+RUNTIME = sorted(
+    path
+    for path in (ROOT / "trl_prefix_sharing").rglob("*.py")
+    if not {"cli", "testing"} & set(path.relative_to(ROOT / "trl_prefix_sharing").parts[:-1])
+)
+#: the most lines a class or function of the runtime package may span
+LONGEST = 150
+
+
+def _definitions(path: Path):
+    import ast
+
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node, node.end_lineno - node.lineno + 1
+
+
+def test_no_class_or_function_is_longer_than_150_lines():
+    """A long class or function is several ideas: none of the runtime package's spans more than 150 lines."""
+    assert len(RUNTIME) > 20
+    too_long = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)"
+        for path in RUNTIME
+        for node, lines in _definitions(path)
+        if lines > LONGEST
+    ]
+    assert not too_long, too_long
+
+
+def test_the_size_check_sees_a_long_class(tmp_path):
+    """The check above can fail: a class of 151 lines is reported."""
+    path = tmp_path / "long.py"
+    path.write_text("class Long:\n" + "    x = 1\n" * 150)
+    assert [(node.name, lines) for node, lines in _definitions(path)] == [("Long", 151)]
+
+
+#: Sphinx roles and reStructuredText inline literals, which TRL's documentation builder does not render
+_RST = re.compile(r":(?:class|func|meth|mod|attr|data|obj|exc):`|``")
+
+
+def _docstrings(path: Path):
+    import ast
+
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                yield getattr(node, "name", path.stem), doc
+
+
+def test_docstrings_use_markdown_backticks():
+    """Docstrings in TRL's style: Markdown backticks, no Sphinx roles or double backticks (the command line too)."""
+    paths = sorted((ROOT / "trl_prefix_sharing").rglob("*.py"))
+    found = [
+        f"{path.relative_to(ROOT)}: {name}" for path in paths for name, doc in _docstrings(path) if _RST.search(doc)
+    ]
+    assert not found, found
+    assert _RST.search("see :class:`~trl.DPOTrainer` and ``x``")  # the check can fail
+
+
+def test_every_trainer_reaches_the_session_through_the_mixin():
+    """One seam: the trainers build no session, collator or layout of their own; they call the mixin's set-up, its
+    start-up check phase and the session's layout entrances."""
+    package = ROOT / "trl_prefix_sharing"
+    for path in sorted(package.glob("*.py")):
+        source = path.read_text()
+        if path.name not in {"session.py", "sharing.py"}:
+            assert "PrefixSharingSession(" not in source, path.name
+        if path.name not in {"preference.py", "collator.py", "sharing.py"}:
+            assert "PrefixSharingCollator(" not in source, path.name
+        if path.name not in {"layout.py", "session.py", "collator.py"}:
+            assert "build_layout(" not in source and "shared_group_layout(" not in source, path.name
+    session = (package / "session.py").read_text()
+    assert "StartupCheck" not in session.split('"""', 2)[2]  # the session never enters the start-up check
+
+
+def test_packing_stands_apart_from_sharing():
+    """Packing has its own config fields and reads nothing of the sharing session: the trainer hands its collator one
+    row policy (`_packed_rows`), asked with the kernel's density."""
+    from trl_prefix_sharing.config import PackingArguments, PrefixSharingArguments
+
+    assert not issubclass(PackingArguments, PrefixSharingArguments)
+    assert not issubclass(PrefixSharingArguments, PackingArguments)
+    source = (ROOT / "trl_prefix_sharing" / "packing.py").read_text()
+    assert "self.sharing" not in source and "attn_implementation" not in source
+    collator = (ROOT / "trl_prefix_sharing" / "collator.py").read_text()
+    assert "packing_length" not in collator and "pad_to_multiple_of" not in collator

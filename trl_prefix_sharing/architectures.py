@@ -2,21 +2,21 @@
 
 The contract: an architecture gives stock TRL's numbers under the shared layout when
 
-- its attention honours the 4-D mask it is given and the explicit ``position_ids`` (RoPE, partial RoPE, absolute
+- its attention honours the 4-D mask it is given and the explicit `position_ids` (RoPE, partial RoPE, absolute
   position embeddings read from the ids, NoPE layers),
 - no layer carries state along the row (Mamba/SSM, linear or delta-rule attention, short convolutions, RWKV/xLSTM,
   hybrids of those with attention): the second completion would read the state the first one left,
 - nothing else in the forward depends on which tokens share a row (ALiBi or positions built from row indices, local
   or chunked attention counted in row positions, a 2-D padding mask assumed).
 
-Whether a family meets it is *measured*, not assumed: ``scripts/sweep_architectures.py`` runs one DPO step and one
+Whether a family meets it is *measured*, not assumed: `scripts/sweep_architectures.py` runs one DPO step and one
 reward step per family (and per window / MoE option) against stock TRL, and writes the results to
-``data/architectures.json``. :func:`check_supported_model` reads that file: a family is allowed when every measured
-variant gave stock's numbers; a refused family's error names the reason from :data:`REFUSED` (or the measured
+`data/architectures.json`. `check_supported_model` reads that file: a family is allowed when every measured
+variant gave stock's numbers; a refused family's error names the reason from `REFUSED` (or the measured
 difference). What the registry cannot settle (a model type it does not list, custom code under its own type, a family
 whose tiny config failed, a window a family was not measured with) goes to the start-up check
-(:mod:`~trl_prefix_sharing.model_check`), which judges the user's own model on its first batch.
-``tests/test_architectures.py`` re-runs the matrix of the supported families in CI.
+(`model_check`), which judges the user's own model on its first batch.
+`tests/test_architectures.py` re-runs the matrix of the supported families in CI.
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ _REFUSED_LAYER_TYPES = {
 }
 
 
-#: the reasons of :data:`REFUSED` and `layer_types` that hold by design (the others: not measured equal, not laid out)
+#: the reasons of `REFUSED` and `layer_types` that hold by design (the others: not measured equal, not laid out)
 _BY_DESIGN = {
     ENCODER,
     MAMBA,
@@ -247,8 +247,8 @@ _BY_DESIGN = {
 
 
 def refusal(model_type: str, reason: str) -> str:
-    """The error for a model type refused for `reason`: one of :data:`REFUSED`'s, or a measured outcome of the
-    registry (``"measured: ..."``). Two or three sentences: what, why, and the way out."""
+    """The error for a model type refused for `reason`: one of `REFUSED`'s, or a measured outcome of the
+    registry (`"measured: ..."`). Two or three sentences: what, why, and the way out."""
     if reason.startswith("measured: "):
         outcome = reason.removeprefix("measured: ").split(" (")[0]  # a registry of older sweeps kept the error text
         reason = f"measured on a tiny model of this type, {outcome}"
@@ -266,7 +266,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 
 
 def variant_configs(config) -> dict[str, dict]:
-    """The variants that apply to this (default tiny) config: name -> config overrides (``"default"`` first)."""
+    """The variants that apply to this (default tiny) config: name -> config overrides (`"default"` first)."""
     out = {"default": {}}
     for name, (attribute, overrides) in VARIANTS.items():
         if hasattr(config, attribute):
@@ -280,8 +280,8 @@ def variant_configs(config) -> dict[str, dict]:
 # ---------------------------------------------------------------------------------------------------- registry
 @functools.lru_cache(maxsize=1)
 def registry() -> dict:
-    """The measured registry (``data/architectures.json``): ``{"supported": {model_type: entry}, "refused":
-    {...}}``."""
+    """The measured registry (`data/architectures.json`): `{"supported": {model_type: entry}, "refused":
+    {...}}`."""
     text = resources.files("trl_prefix_sharing").joinpath("data/architectures.json").read_text()
     return json.loads(text)
 
@@ -305,7 +305,7 @@ _CHECKABLE_OUTCOMES = ("not measured", "stock TRL itself fails", "measured: pref
 
 
 def refused_reason(config) -> str | None:
-    """Why this model is refused whatever its weights, known without running it (its type in :data:`REFUSED`, an
+    """Why this model is refused whatever its weights, known without running it (its type in `REFUSED`, an
     encoder-decoder config, layers that are not attention, chunked attention), or None."""
     text_config = _text_config(config)
     model_type = getattr(text_config, "model_type", None)
@@ -328,7 +328,7 @@ def check_supported_model(config) -> str | None:
     """Decide how an architecture is judged: raise a clear error for one that cannot give stock's numbers under the
     shared layout (a reason no batch can disprove, or a measured difference); return None for one the registry
     measured equal with this config's options; return why the start-up check must judge it on the model itself
-    (:mod:`~trl_prefix_sharing.model_check`): a model type the sweep did not measure (custom code, a newer
+    (`model_check`): a model type the sweep did not measure (custom code, a newer
     transformers) or measured only without this config's sliding window."""
     text_config = _text_config(config)
     model_type = getattr(text_config, "model_type", None)
@@ -397,9 +397,9 @@ def _measured(entry: dict, variant: str) -> str:
 def window_layout(config) -> tuple[int | None, bool]:
     """(window, mixed): the sliding window the model applies (in positions), and whether only some layers use it.
 
-    A config with ``layer_types`` slides on its ``"sliding_attention"`` layers (Qwen2/3, Gemma 2/3, Cohere 2, GPT-OSS,
-    OLMo 3, ...); one without slides everywhere when ``sliding_window`` is set (Mistral, Phi-3, Starcoder2). Whether a
-    family's code really does so is what the sweep's ``sliding_window`` variant measures."""
+    A config with `layer_types` slides on its `"sliding_attention"` layers (Qwen2/3, Gemma 2/3, Cohere 2, GPT-OSS,
+    OLMo 3, ...); one without slides everywhere when `sliding_window` is set (Mistral, Phi-3, Starcoder2). Whether a
+    family's code really does so is what the sweep's `sliding_window` variant measures."""
     text_config = _text_config(config)
     window = getattr(text_config, "sliding_window", None)
     layer_types = getattr(text_config, "layer_types", None)

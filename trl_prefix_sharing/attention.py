@@ -1,20 +1,20 @@
 """The attention backend: which kernel runs the prefix-sharing mask (decided here, and only here), and the mask object
 it receives.
 
-The mask itself lives in :mod:`trl_prefix_sharing.mask`. Here it is turned into what the model's attention
+The mask itself lives in `trl_prefix_sharing.mask`. Here it is turned into what the model's attention
 implementation takes, through transformers' own attention functions (no custom attention name is registered, so a
 saved config never names one):
 
-- ``"flex_attention"``: a FlexAttention ``BlockMask`` (block-sparse: fully masked blocks are skipped). CUDA only for
+- `"flex_attention"`: a FlexAttention `BlockMask` (block-sparse: fully masked blocks are skipped). CUDA only for
   training, since FlexAttention has no backward on CPU.
-- ``"sdpa"``: the same mask evaluated densely as a boolean ``[N, 1, S, S]`` tensor for
-``scaled_dot_product_attention``.
-- ``"eager"``: the same dense mask as an additive float tensor (0 where attended, the float32 minimum elsewhere), for
+- `"sdpa"`: the same mask evaluated densely as a boolean `[N, 1, S, S]` tensor for
+`scaled_dot_product_attention`.
+- `"eager"`: the same dense mask as an additive float tensor (0 where attended, the float32 minimum elsewhere), for
   model classes that support neither (attention softcapping, sinks).
 
-:func:`choose_attn_implementation` decides, from the request, the device, the model classes and whether they are
-vision-language models; ``"auto"`` is FlexAttention on CUDA and SDPA elsewhere. The switch of a model's attention
-implementation is recorded and undone by :meth:`AttentionSwitch.restore`; it touches only the models given to it.
+`choose_attn_implementation` decides, from the request, the device, the model classes and whether they are
+vision-language models; `"auto"` is FlexAttention on CUDA and SDPA elsewhere. The switch of a model's attention
+implementation is recorded and undone by `AttentionSwitch.restore`; it touches only the models given to it.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ __all__ = [
 
 logger = logging.get_logger(__name__)
 
-#: Architectures measured equal to stock TRL under prefix sharing (the registry in :mod:`.architectures`).
+#: Architectures measured equal to stock TRL under prefix sharing (the registry in `.architectures`).
 SUPPORTED_MODEL_TYPES = supported_model_types()
 ATTN_IMPLEMENTATIONS = ("auto", "flex_attention", "sdpa")
 #: FlexAttention's block size (`create_block_mask`'s default): the width shared rows are rounded to under
@@ -62,7 +62,7 @@ def _flex_available() -> bool:
 
 
 def resolve_attn_implementation(requested: str, device: torch.device) -> str:
-    """``"auto"`` -> FlexAttention on CUDA, SDPA elsewhere; explicit choices are checked against the device."""
+    """`"auto"` -> FlexAttention on CUDA, SDPA elsewhere; explicit choices are checked against the device."""
     if requested not in ATTN_IMPLEMENTATIONS:
         raise ValueError(
             f"`prefix_sharing_attn_implementation` must be one of {ATTN_IMPLEMENTATIONS}, got {requested!r}."
@@ -86,8 +86,8 @@ def resolve_attn_implementation(requested: str, device: torch.device) -> str:
 
 
 def model_attn_implementation(model, requested: str) -> str:
-    """The attention implementation this model runs the shared mask with, given the resolved request (``"sdpa"`` or
-    ``"flex_attention"``). A model class that does not support the request (softcapping or attention sinks refuse
+    """The attention implementation this model runs the shared mask with, given the resolved request (`"sdpa"` or
+    `"flex_attention"`). A model class that does not support the request (softcapping or attention sinks refuse
     SDPA, some classes refuse FlexAttention) gets the next one transformers supports for it, FlexAttention -> SDPA ->
     eager (the mask then as an additive float mask)."""
     order = ("flex_attention", "sdpa", "eager")
@@ -117,7 +117,7 @@ def vision_attn_implementation(requested: str, resolved: str) -> str:
 def choose_attn_implementation(models, requested: str, device) -> str:
     """The one attention implementation the shared mask runs on for these models (policy, reference), logged.
 
-    ``requested`` is `prefix_sharing_attn_implementation`; the device decides ``"auto"``; vision-language models take
+    `requested` is `prefix_sharing_attn_implementation`; the device decides `"auto"`; vision-language models take
     SDPA; otherwise each model class takes the first of the request, SDPA and eager that it supports. One mask per step
     serves the policy and reference passes, so they must agree.
     """
@@ -222,8 +222,8 @@ def _generate_with(model, name: str, attn_implementation: str) -> None:
 
 @torch.no_grad()
 def build_attention_mask(layout: Layout, attn_implementation: str, config):
-    """The mask object for one shared batch: a ``BlockMask``, a dense boolean tensor or an additive float one, or a
-    per-layer-type dict when the model mixes full and sliding-window layers (Qwen2/Qwen3 with ``use_sliding_window``,
+    """The mask object for one shared batch: a `BlockMask`, a dense boolean tensor or an additive float one, or a
+    per-layer-type dict when the model mixes full and sliding-window layers (Qwen2/Qwen3 with `use_sliding_window`,
     Gemma 2/3, Cohere 2, GPT-OSS, ...). Built without autograd (a mask has no gradient), so the compiled
     `create_block_mask` sees one grad mode in training and evaluation steps alike (dynamo compiles a variant per grad
     mode)."""

@@ -2,13 +2,13 @@
 reference model, whose `concatenated_forward` runs `[prompt+chosen ; prompt+rejected]` through full logits.
 
 With prefix sharing, `concatenated_forward` lays each pair out after one copy of its prompt (the trie of
-:mod:`trl_prefix_sharing.layout`, stock's column positions) and scores every stock column with TRL's fused log-prob
-head, so the ``[2B, L, vocab]`` logits are never materialised. Every number stock derives from the logits is derived
+`trl_prefix_sharing.layout`, stock's column positions) and scores every stock column with TRL's fused log-prob
+head, so the `[2B, L, vocab]` logits are never materialised. Every number stock derives from the logits is derived
 here from per-column values the head computes: the next-token log-probability (the log-probs and NLL terms) and the
-mean logit over the vocabulary (the ``logits/chosen|rejected`` metrics, which stock averages over every column,
+mean logit over the vocabulary (the `logits/chosen|rejected` metrics, which stock averages over every column,
 prompt and padding included). Stock computes its padding columns too (a padding query sees its row's tokens), so the
-layout lays out and scores each row's padding the same way (``score_padding``). Each trainer turns those values into
-the tuple its TRL class returns (:meth:`ConcatenatedSharingMixin._stock_outputs`); TRL's loss and metric code runs
+layout lays out and scores each row's padding the same way (`score_padding`). Each trainer turns those values into
+the tuple its TRL class returns (`ConcatenatedSharingMixin._stock_outputs`); TRL's loss and metric code runs
 unchanged.
 """
 
@@ -58,7 +58,7 @@ class ConcatenatedSharingArguments(PrefixSharingArguments):
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
-    """``values`` summed where ``mask`` over the count of ``mask`` (stock's mean over non-ignored labels)."""
+    """`values` summed where `mask` over the count of `mask` (stock's mean over non-ignored labels)."""
     if dim is None:
         return (values * mask).sum() / mask.sum()
     return (values * mask).sum(dim) / mask.sum(dim)
@@ -138,7 +138,7 @@ class ConcatenatedSharingMixin(PrefixSharingMixin):
         return means[:num_pairs][scored[:num_pairs]], means[num_pairs:][scored[num_pairs:]]
 
     def _stock_outputs(self, concatenated: dict, outputs, num_pairs: int) -> tuple:
-        """``(chosen_logps, rejected_logps, chosen_logits, rejected_logits, nll_loss)`` as TRL's `concatenated_forward`
-        returns them, from the fused head's per-column ``log_probs`` and ``mean_logits`` (``[2B, L]``, column t
-        predicting column t + 1). The logits entries come from :meth:`_logits_entries`."""
+        """`(chosen_logps, rejected_logps, chosen_logits, rejected_logits, nll_loss)` as TRL's `concatenated_forward`
+        returns them, from the fused head's per-column `log_probs` and `mean_logits` (`[2B, L]`, column t
+        predicting column t + 1). The logits entries come from `_logits_entries`."""
         raise NotImplementedError

@@ -232,8 +232,9 @@ def stacklevel_outside_package() -> int:
 
 
 @dataclass
-class PackingArguments(PrefixSharingArguments):
-    """Prefix sharing plus the packing fields (preference trainers: DPO and reward models)."""
+class PackingArguments:
+    """The packing fields this package adds to the preference trainers' configs (DPO and reward models), apart from
+    prefix sharing's: packing runs on the same layout with or without it."""
 
     packing: bool = field(
         default=False,
@@ -261,9 +262,8 @@ class PackingArguments(PrefixSharingArguments):
         },
     )
 
-    def _check_prefix_sharing_arguments(self) -> None:
-        super()._check_prefix_sharing_arguments()
-        if (self.prefix_sharing or self.packing) and getattr(self, "padding_free", False):
+    def _check_packing_arguments(self) -> None:
+        if (getattr(self, "prefix_sharing", False) or self.packing) and getattr(self, "padding_free", False):
             raise ValueError(
                 "`prefix_sharing`/`packing` cannot be combined with `padding_free=True`: both rewrite the batch "
                 "layout, and TRL 1.16 has padding-free DPO disabled anyway. Set `padding_free=False`."
@@ -273,7 +273,7 @@ class PackingArguments(PrefixSharingArguments):
 
 
 @dataclass
-class DPOConfig(trl.DPOConfig, PackingArguments):
+class DPOConfig(trl.DPOConfig, PrefixSharingArguments, PackingArguments):
     __doc__ = (
         "Configuration class for [`trl_prefix_sharing.DPOTrainer`]: every parameter of [`trl.DPOConfig`], plus the "
         "ones below. With `prefix_sharing=False` and `packing=False` training is exactly TRL's.\n" + _FIELDS_DOC
@@ -282,10 +282,11 @@ class DPOConfig(trl.DPOConfig, PackingArguments):
     def __post_init__(self):
         super().__post_init__()
         self._check_prefix_sharing_arguments()
+        self._check_packing_arguments()
 
 
 @dataclass
-class RewardConfig(trl.RewardConfig, PackingArguments):
+class RewardConfig(trl.RewardConfig, PrefixSharingArguments, PackingArguments):
     __doc__ = (
         "Configuration class for [`trl_prefix_sharing.RewardTrainer`]: every parameter of [`trl.RewardConfig`], plus "
         "the ones below. With `prefix_sharing=False` and `packing=False` training is exactly TRL's.\n" + _FIELDS_DOC
@@ -296,6 +297,7 @@ class RewardConfig(trl.RewardConfig, PackingArguments):
     def __post_init__(self):
         super().__post_init__()
         self._check_prefix_sharing_arguments()
+        self._check_packing_arguments()
 
 
 @dataclass

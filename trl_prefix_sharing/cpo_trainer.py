@@ -1,5 +1,5 @@
 """`CPOTrainer`: TRL's experimental CPO trainer (CPO, SimPO with `loss_type="simpo"`, CPO-SimPO, AlphaPO), computing
-each prompt once per pair (`args.prefix_sharing`); see :mod:`trl_prefix_sharing.concatenated`."""
+each prompt once per pair (`args.prefix_sharing`); see `trl_prefix_sharing.concatenated`."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ __all__ = [
 
 
 def gather_variable(gather, data):
-    """Gather ``data`` (tensor, or nested tuple/list/dict of tensors) whose first dimension differs across ranks."""
+    """Gather `data` (tensor, or nested tuple/list/dict of tensors) whose first dimension differs across ranks."""
     if isinstance(data, (tuple, list)):
         return type(data)(gather_variable(gather, d) for d in data)
     if isinstance(data, dict):

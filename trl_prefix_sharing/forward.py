@@ -2,21 +2,21 @@
 
 Two kinds of model: causal LMs under TRL's fused LM head (DPO), and sequence-classification models (reward models).
 
-TRL's trainers call ``model(input_ids, attention_mask, labels=..., fused_lm_head=True)`` on the stock batch and read
-per-token fields of shape ``[rows, length - 1]``. :func:`install_prefix_sharing_forward` wraps that (already fused)
-forward on one model instance: when the call carries a ``prefix_sharing`` layout (added by
-:class:`~trl_prefix_sharing.collator.PrefixSharingCollator`), the backbone and the LM head run on the shared rows
+TRL's trainers call `model(input_ids, attention_mask, labels=..., fused_lm_head=True)` on the stock batch and read
+per-token fields of shape `[rows, length - 1]`. `install_prefix_sharing_forward` wraps that (already fused)
+forward on one model instance: when the call carries a `prefix_sharing` layout (added by
+`PrefixSharingCollator`), the backbone and the LM head run on the shared rows
 only, and every per-token field is gathered back to the stock positions. Everything downstream (losses, metrics,
 reference passes) is TRL's own code, unchanged. Without a layout, or for a plain (non-fused) call such as generation,
 the model's forward is untouched. The mask travels as a forward argument, so gradient checkpointing's recomputation
-sees it. :func:`remove_prefix_sharing_forward` undoes the wrap.
+sees it. `remove_prefix_sharing_forward` undoes the wrap.
 
-A call with a layout but without ``fused_lm_head`` (a trainer that reads logits in stock, such as online DPO with
+A call with a layout but without `fused_lm_head` (a trainer that reads logits in stock, such as online DPO with
 half-precision logits) runs the model's own forward on the shared rows and gathers the logits back to the stock rows
-(:func:`_shared_logits_forward`). A model that accelerate had already wrapped in mixed precision when the wrap was
-installed (a reference model prepared in TRL's ``__init__``) runs its shared calls inside that same autocast, with
+(`_shared_logits_forward`). A model that accelerate had already wrapped in mixed precision when the wrap was
+installed (a reference model prepared in TRL's `__init__`) runs its shared calls inside that same autocast, with
 outputs converted to float32 as accelerate's wrapper does: the shared path may call the backbone directly (TRL's fused
-head does), around the wrapper that sits on ``model.forward``.
+head does), around the wrapper that sits on `model.forward`.
 """
 
 from __future__ import annotations
@@ -52,13 +52,13 @@ _ACCELERATE_UNWRAPPED_FORWARD = "_original_forward"
 
 
 def unwrap_model(model):
-    """The transformers model under DDP/DeepSpeed (``.module``) and PEFT (``get_base_model()``) wrappers."""
+    """The transformers model under DDP/DeepSpeed (`.module`) and PEFT (`get_base_model()`) wrappers."""
     *_, model = _wrappers(model)
     return model
 
 
 def _wrappers(model):
-    """The model, then every module under its DDP/DeepSpeed (``.module``) and PEFT wrappers, the transformers model
+    """The model, then every module under its DDP/DeepSpeed (`.module`) and PEFT wrappers, the transformers model
     last."""
     yield model
     while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
@@ -69,7 +69,7 @@ def _wrappers(model):
 
 
 def wrapped_in_mixed_precision(model) -> bool:
-    """Whether accelerate's native mixed precision wraps the forward of ``model`` or of a module under it: its calls
+    """Whether accelerate's native mixed precision wraps the forward of `model` or of a module under it: its calls
     then run in autocast and return float32 outputs (accelerate's `convert_outputs_to_fp32`)."""
     return any(_ACCELERATE_UNWRAPPED_FORWARD in module.__dict__ for module in _wrappers(model))
 
@@ -85,7 +85,7 @@ def stock_logits_dtype(model) -> torch.dtype:
 
 def check_layout_matches(layout: Layout, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
     """Refuse a layout that does not hold exactly the stock batch's tokens (e.g. a collator that changed the batch).
-    The shapes always; the tokens and the padding when the layout asks for checks (``layout.check``, see
+    The shapes always; the tokens and the padding when the layout asks for checks (`layout.check`, see
     `prefix_sharing_checks`: comparing them reads back from the device)."""
     index = layout.stock_index
     if index.shape != input_ids.shape:
@@ -110,9 +110,9 @@ def check_layout_matches(layout: Layout, input_ids: torch.Tensor, attention_mask
 
 
 def _take_stock_inputs(kwargs: dict, layout: Layout, replaced: tuple[str, ...]):
-    """The start of every shared call: refuse the inputs the layout replaces (``replaced``), take the stock
-    ``input_ids`` and ``attention_mask`` out of ``kwargs`` and check the layout against them. Returns those two, the
-    layout's mask and the shared rows' position ids (a vision batch's inputs in ``kwargs`` swapped for the shared
+    """The start of every shared call: refuse the inputs the layout replaces (`replaced`), take the stock
+    `input_ids` and `attention_mask` out of `kwargs` and check the layout against them. Returns those two, the
+    layout's mask and the shared rows' position ids (a vision batch's inputs in `kwargs` swapped for the shared
     rows': images once per pair, M-RoPE rows)."""
     for name in replaced:
         if kwargs.get(name) is not None:
@@ -185,7 +185,7 @@ def _shared_forward(original_forward, kwargs: dict, layout: Layout):
 
 def _shared_logits_forward(original_forward, kwargs: dict, layout: Layout):
     """The model's own (unfused) forward on the shared rows; its logits gathered back to the stock rows, for the last
-    ``logits_to_keep`` stock columns (all of them when 0), as the stock call would return them. Only the logits."""
+    `logits_to_keep` stock columns (all of them when 0), as the stock call would return them. Only the logits."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     _, _, mask, position_ids = _take_stock_inputs(
@@ -271,17 +271,17 @@ def _is_sequence_classifier(model) -> bool:
 
 
 def install_prefix_sharing_forward(model, autocast=None, route=None) -> None:
-    """Wrap ``model.forward`` to accept a ``prefix_sharing`` layout: for a causal LM, the forward TRL's
-    ``add_fused_lm_head`` patched (used with ``fused_lm_head=True``; without it, the logits of the model's own forward,
-    see :func:`_shared_logits_forward`); for a sequence classifier, its own forward.
+    """Wrap `model.forward` to accept a `prefix_sharing` layout: for a causal LM, the forward TRL's
+    `add_fused_lm_head` patched (used with `fused_lm_head=True`; without it, the logits of the model's own forward,
+    see `_shared_logits_forward`); for a sequence classifier, its own forward.
 
-    ``autocast``: the autocast of accelerate's mixed precision (a callable returning a context manager, e.g.
-    ``accelerator.autocast``). If accelerate already wrapped this model's forward in it, the shared calls run inside
+    `autocast`: the autocast of accelerate's mixed precision (a callable returning a context manager, e.g.
+    `accelerator.autocast`). If accelerate already wrapped this model's forward in it, the shared calls run inside
     it and return float32 outputs, as the wrapped forward does (they may call the backbone around the wrapper).
-    ``route``: for a trainer whose TRL code calls the model without a layout (KTO): ``route(model, kwargs)`` is asked
-    about every fused call (``fused_lm_head=True``) that has none, and returns the layout of the stock rows the call
+    `route`: for a trainer whose TRL code calls the model without a layout (KTO): `route(model, kwargs)` is asked
+    about every fused call (`fused_lm_head=True`) that has none, and returns the layout of the stock rows the call
     holds, or a finished output, or None (the call runs as stock).
-    Scoped to this model instance and idempotent; undone by :func:`remove_prefix_sharing_forward`.
+    Scoped to this model instance and idempotent; undone by `remove_prefix_sharing_forward`.
     """
     if is_patched(model, _ORIGINAL):
         return  # installed (and perhaps wrapped since by accelerate's mixed precision, around it)

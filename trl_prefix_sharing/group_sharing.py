@@ -1,24 +1,24 @@
 """What the prefix-sharing GRPO and RLOO trainers have in common: each prompt's generations scored in one sequence.
 
-TRL samples every prompt G times and scores each generation in its own row, ``[left-padded prompt | completion]``;
+TRL samples every prompt G times and scores each generation in its own row, `[left-padded prompt | completion]`;
 every forward (the training pass, the old-policy and the reference passes) computes the prompt G times. Here the rows
-of one prompt (and of a duplicate prompt) become one trie of the shared layout (:mod:`trl_prefix_sharing.layout`),
-``[prompt | completion 1 | ... | completion G]``, through the integration object (:mod:`trl_prefix_sharing.sharing`):
+of one prompt (and of a duplicate prompt) become one trie of the shared layout (`trl_prefix_sharing.layout`),
+`[prompt | completion 1 | ... | completion G]`, through the trainer's session (`session.py`):
 the same mask and the same forward wrapper as DPO. Stock GRPO passes no position ids, so a token's position is its
 column, left padding included; the layout keeps exactly those positions. A layout is built once per set of rows and
 kept while their tensors live: the old-policy and reference passes over a generation batch share one, the training
-passes over a micro-batch (``num_iterations > 1``) another.
+passes over a micro-batch (`num_iterations > 1`) another.
 
 Overrides, each calling TRL's own method (TRL's loss, advantage and metric code runs unchanged):
 
-- ``_get_per_token_logps_and_entropies`` (every pass) hands TRL's chunk loop a model whose call lays out its chunk
+- `_get_per_token_logps_and_entropies` (every pass) hands TRL's chunk loop a model whose call lays out its chunk
   (rows grouped by equal prompt columns) with its mask, and gathers the log-probs back to TRL's rows.
-- ``compute_loss`` tells the chunk loop which micro-batch it runs on (its layout is kept with its rows), and ``log``
+- `compute_loss` tells the chunk loop which micro-batch it runs on (its layout is kept with its rows), and `log`
   reads `num_shared_tokens`, counted on the device, once per logging step.
-- ``_prepare_inputs`` keeps the generations of a prompt in the same micro-batch: TRL shuffles the generation batch row
-  by row (``shuffle_sequence_dict``) before splitting it into ``steps_per_generation`` micro-batches, so siblings would
-  rarely meet. For the duration of TRL's ``_prepare_inputs`` that one function is :func:`shuffle_keeping_groups`,
-  which draws the same ``torch.randperm`` as TRL (the random stream, hence every later sample, is unchanged) and
+- `_prepare_inputs` keeps the generations of a prompt in the same micro-batch: TRL shuffles the generation batch row
+  by row (`shuffle_sequence_dict`) before splitting it into `steps_per_generation` micro-batches, so siblings would
+  rarely meet. For the duration of TRL's `_prepare_inputs` that one function is `shuffle_keeping_groups`,
+  which draws the same `torch.randperm` as TRL (the random stream, hence every later sample, is unchanged) and
   orders whole groups by where TRL's permutation puts their first member.
 """
 
@@ -74,8 +74,8 @@ def shuffle_keeping_groups(batch: dict, group_key: str = "prompt_ids", mask_key:
 
 
 def tie_like_stock(entropies: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The completion entropies ``[R, W]`` of TRL's rows (``input_ids``/``attention_mask`` ``[R, C]``, completions in
-    the last ``W`` columns) made bitwise equal across rows that share every token before a column, as stock's are.
+    """The completion entropies `[R, W]` of TRL's rows (`input_ids`/`attention_mask` `[R, C]`, completions in
+    the last `W` columns) made bitwise equal across rows that share every token before a column, as stock's are.
 
     Stock computes such rows alike, so their entropies there tie exactly. The shared rows compute the first token of a
     branch once per branch (the last common token starts every branch again), equal only to round-off. GRPO's

@@ -1,13 +1,13 @@
 """`KTOTrainer`: TRL's KTO trainer, computing each example's prompt once for its main and KL rows
 (`args.prefix_sharing`).
 
-Stock KTO runs every prompt twice per model: in its main row ``[prompt | completion]`` and in its KL row ``[prompt |
-the completion of the example before it]`` (TRL rotates the completions within each ``per_device_train_batch_size``
+Stock KTO runs every prompt twice per model: in its main row `[prompt | completion]` and in its KL row `[prompt |
+the completion of the example before it]` (TRL rotates the completions within each `per_device_train_batch_size`
 chunk of the dataset, which is why KTO trains in sequential order). With prefix sharing:
 
 - the **reference** pass (in the training step, and TRL's `precompute_ref_log_probs`) and every pass without gradients
   (evaluation) run the main and KL rows of a micro-batch as one trie, both completions after one copy of the prompt:
-  ``(2P + 2C) / (P + 2C)`` fewer positions;
+  `(2P + 2C) / (P + 2C)` fewer positions;
 - the **policy** pass either does the same inside its gradient pass (the KL rows then go through backward too, without
   contributing a gradient: worth it when prompts are long) or runs the KL rows and the main rows apart, each as its own
   trie (duplicate prompts shared). `prefix_sharing_merge_kl` chooses; by default each batch is merged when its prompt
@@ -17,7 +17,7 @@ The layouts are exact only within stock's own micro-batches, which is what they 
 packing (the KL rows and the `kl` batch statistic depend on which examples share a micro-batch).
 
 TRL's `_compute_loss` calls its models without a layout; the trainer routes each fused call by the stock tensor it
-holds (`PrefixSharing.router`): the main rows' ``input_ids`` or the KL rows'. A merged pass is run by the first of the
+holds (`PrefixSharing.router`): the main rows' `input_ids` or the KL rows'. A merged pass is run by the first of the
 two calls and the other one gets its part of the result: the main call of the training step fills in the KL log-probs
 that TRL's `_compute_kl_logps` (overridden here) returned as a placeholder; in TRL's `compute_ref_log_probs` the main
 call runs first and the KL call gets its stored result.
@@ -78,7 +78,7 @@ class KTOConfig(trl.KTOConfig, PrefixSharingArguments):
 
 
 class _Rows:
-    """Stock rows of a KTO batch: ``input_ids``, ``attention_mask`` and ``completion_mask`` (right-padded)."""
+    """Stock rows of a KTO batch: `input_ids`, `attention_mask` and `completion_mask` (right-padded)."""
 
     def __init__(self, input_ids, attention_mask, completion_mask):
         self.input_ids, self.attention_mask, self.completion_mask = input_ids, attention_mask, completion_mask
@@ -171,14 +171,14 @@ class _SharedKTOBatch:
         return None  # rows this batch does not hold: stock
 
     def defer_kl(self, model) -> torch.Tensor:
-        """A placeholder for the KL log-probs of ``model``, filled in by its next main call (a merged pass)."""
+        """A placeholder for the KL log-probs of `model`, filled in by its next main call (a merged pass)."""
         placeholder = torch.zeros(self.kl.input_ids.shape[0], device=self.kl.input_ids.device)
         self.pending[model] = placeholder
         return placeholder
 
     def _merged(self, model, kwargs: dict, fill: torch.Tensor | None):
         """Main and KL rows in one pass (with gradients if the main call has them); the main part returned, the KL
-        part's log-prob sums written to ``fill`` or kept for the next KL call."""
+        part's log-prob sums written to `fill` or kept for the next KL call."""
         from trl.trainer.utils import FusedCausalLMOutput
 
         rows = self.merged_rows()

@@ -16,11 +16,11 @@ token of its own branch, as the last common token does in each stock row. A row 
 that row's path (its last token scores nothing). Identical rows read the same positions, so they get bitwise identical
 results, as in stock.
 
-In depth-first order the tokens under a key form one span, ``[k, subtree_end[k])``, so the whole mask is one rule: a
-query sees a key when the key is on its path, ``k <= q < subtree_end[k]`` (:func:`~trl_prefix_sharing.mask.on_path`).
+In depth-first order the tokens under a key form one span, `[k, subtree_end[k])`, so the whole mask is one rule: a
+query sees a key when the key is on its path, `k <= q < subtree_end[k]` (`on_path`).
 A token's position id is its column in the stock row, which is what the model gives it when no position ids are
 passed: right-padded rows (TRL's DPO and reward collators) start at column 0; left-padded prompts (GRPO, RLOO, online
-DPO: ``[pad pad p0 p1 | c0 c1 pad]``) keep the positions of their pads, exactly as stock computes them.
+DPO: `[pad pad p0 p1 | c0 c1 pad]`) keep the positions of their pads, exactly as stock computes them.
 
 **Documents.** A trie that is laid out as one piece is a *document*; unpacked, each document is one shared row, and
 packing puts several in a row. Sorted rows that share a prefix join one document when the prefix holds at least the
@@ -33,7 +33,7 @@ attention than the few positions it saves.
 chunked), cumulative sums and scatters; no per-token Python. One device-to-host read per build gives the shared rows'
 shape.
 
-``stock_index`` maps every stock position to its place in the shared rows; everything computed on the shared rows
+`stock_index` maps every stock position to its place in the shared rows; everything computed on the shared rows
 (log-probs, rewards) is gathered back through it.
 """
 
@@ -63,7 +63,7 @@ __all__ = [
 #: key of a stock column that holds no token (before or after the row's tokens); below every token id, so a row that
 #: is a prefix of another sorts first
 _NO_TOKEN = -1
-#: key of a scored padding column holding pad id 0 (``score_padding``); pad id p is keyed `_SCORED_PAD - p`: never
+#: key of a scored padding column holding pad id 0 (`score_padding`); pad id p is keyed `_SCORED_PAD - p`: never
 #: equal to a token, and rows padded with different ids (ORPO pads the narrower side with its `padding_value`) differ
 _SCORED_PAD = -2
 #: elements of the pairwise comparison done at once (rows x rows x columns), bounding its memory
@@ -175,7 +175,7 @@ class RowPolicy:
 class LayoutPlan:
     """Where every stock row's tokens go, before the shared rows are allocated (all tensors on the batch's device).
 
-    Rows are indexed in *sorted* (depth-first) order: ``order[i]`` is the stock row at sorted place ``i``.
+    Rows are indexed in *sorted* (depth-first) order: `order[i]` is the stock row at sorted place `i`.
     """
 
     order: torch.Tensor  # [R] stock row of each sorted place
@@ -191,7 +191,7 @@ class LayoutPlan:
     score_padding: bool
 
     def tokens_per(self, groups: torch.Tensor, size: int) -> torch.Tensor:
-        """``[size]``: tokens the layout adds for each group of stock rows (``groups[r]``, the group of stock row
+        """`[size]`: tokens the layout adds for each group of stock rows (`groups[r]`, the group of stock row
         r): an example's packing unit when examples do not share with each other."""
         added = self.lengths - self.first_new
         return torch.zeros(size, dtype=torch.long, device=added.device).scatter_add_(0, groups[self.order], added)
@@ -213,7 +213,7 @@ def _token_runs(attention_mask: torch.Tensor, check: bool) -> tuple[torch.Tensor
 
 
 def pairwise_common_prefix(keys: torch.Tensor) -> torch.Tensor:
-    """``[R, R]``: for every pair of rows, how many leading columns of ``keys`` ``[R, C]`` are equal."""
+    """`[R, R]`: for every pair of rows, how many leading columns of `keys` `[R, C]` are equal."""
     rows, columns = keys.shape
     out = torch.empty(rows, rows, dtype=torch.long, device=keys.device)
     step = max(1, _COMPARE_CHUNK // max(rows * columns, 1))
@@ -224,7 +224,7 @@ def pairwise_common_prefix(keys: torch.Tensor) -> torch.Tensor:
 
 
 def _sort_rows(keys: torch.Tensor, common: torch.Tensor) -> torch.Tensor:
-    """The lexicographic order of the rows of ``keys`` (ties by row index), from their pairwise common prefixes."""
+    """The lexicographic order of the rows of `keys` (ties by row index), from their pairwise common prefixes."""
     rows, columns = keys.shape
     at = common.clamp(max=max(columns - 1, 0))
     mine = keys.gather(1, at)  # [i, j]: row i's key where rows i and j first differ
@@ -261,17 +261,17 @@ def plan_layout(
     """Sort the stock rows into a trie and find what each row adds (tensor ops on the rows' device).
 
     Args:
-        input_ids, attention_mask: stock ``[R, L]`` padded tensors (right padding, left padding, or both).
-        prompt_lengths: ``[R]`` prompt tokens of each row: rows join one document when they share at least the prompt
+        input_ids, attention_mask: stock `[R, L]` padded tensors (right padding, left padding, or both).
+        prompt_lengths: `[R]` prompt tokens of each row: rows join one document when they share at least the prompt
             of one of them (and at least one token). None: the common prefix of the rows of the row's example (with
-            ``examples``), else any shared token joins.
-        examples: ``[R]`` the example (pair, ranked group) of each stock row.
+            `examples`), else any shared token joins.
+        examples: `[R]` the example (pair, ranked group) of each stock row.
         across_examples: share between the rows of different examples (the trie); False: within an example only, and
             each example is one document.
         share: False: no sharing, each row its own document, except identical rows of one example (which stay one
             document so that they get bitwise identical results, as in stock).
         score_padding: also lay out the padding after each row's tokens, as stock computes it when a trainer scores
-            it (online DPO's statistics do); see :func:`assemble_layout`.
+            it (online DPO's statistics do); see `assemble_layout`.
         check: verify that each row's tokens are one run (a comparison on the rows' device, so a host sync there).
     """
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
@@ -355,17 +355,17 @@ def assemble_layout(
     document_slot: torch.Tensor | None = None,
     pad_token_id: int = 0,
 ) -> Layout:
-    """Allocate the shared rows ``[num_rows, width]`` and place the plan's documents in them.
+    """Allocate the shared rows `[num_rows, width]` and place the plan's documents in them.
 
     Args:
         document_row, document_base, document_slot: per document, its shared row, its first column there, and its
-            number within the row (``document_ids``); default one document per row.
+            number within the row (`document_ids`); default one document per row.
 
     Returns:
-        ``input_ids``, ``position_ids``, ``document_ids`` (-1 = padding), ``subtree_end`` (a key's subtree is
-        ``[k, subtree_end[k])``; padding: itself only) of shape ``[N, S]`` (and ``key_visible`` with
-        ``score_padding``: False for stock's padding, a query that is never a key), and ``stock_index`` ``[R, L]``:
-        the flat index (into ``N * S``) of every stock token, -1 for padding.
+        `input_ids`, `position_ids`, `document_ids` (-1 = padding), `subtree_end` (a key's subtree is
+        `[k, subtree_end[k])`; padding: itself only) of shape `[N, S]` (and `key_visible` with
+        `score_padding`: False for stock's padding, a query that is never a key), and `stock_index` `[R, L]`:
+        the flat index (into `N * S`) of every stock token, -1 for padding.
     """
     device = plan.order.device
     num_stock, stock_width = plan.input_ids.shape
@@ -487,9 +487,9 @@ def shared_group_layout(
     score_padding: bool = False,
     check: bool = True,
 ) -> Layout:
-    """The shared layout of generated rows ``[prompt (prompt_length columns) | completion]`` (GRPO, RLOO, online DPO),
+    """The shared layout of generated rows `[prompt (prompt_length columns) | completion]` (GRPO, RLOO, online DPO),
     on the rows' device: a row's prompt is its tokens in the prompt columns, so a prompt's generations (and duplicate
-    prompts') form one document (``score_padding``: see :func:`plan_layout`)."""
+    prompts') form one document (`score_padding`: see `plan_layout`)."""
     prompt_lengths = attention_mask[:, :prompt_length].sum(dim=1)
     return build_layout(
         input_ids,
@@ -512,11 +512,11 @@ def shared_positions(layout: Layout) -> torch.Tensor:
 def shared_labels(
     layout: Layout, stock_labels: torch.Tensor, check: bool = True, shifted: bool = False
 ) -> torch.Tensor:
-    """Next-token labels on the shared rows (``shift_labels`` for the fused LM head) from the stock ``labels``
-    (``shifted``: the stock rows' own ``shift_labels``, the label of each column itself, last column included).
+    """Next-token labels on the shared rows (`shift_labels` for the fused LM head) from the stock `labels`
+    (`shifted`: the stock rows' own `shift_labels`, the label of each column itself, last column included).
 
     The hidden state at a shared position predicts what its stock position predicts; stock rows that score one shared
-    position give it the same label (the next token on the path is unique where two rows score it). ``check``
+    position give it the same label (the next token on the path is unique where two rows score it). `check`
     verifies that (a host sync on the rows' device).
     """
     index = layout.stock_index if shifted else layout.stock_index[:, :-1]
@@ -530,9 +530,9 @@ def shared_labels(
 
 
 def gather_to_stock(shared: torch.Tensor, index: torch.Tensor, valid: torch.Tensor, fill=0) -> torch.Tensor:
-    """Gather a per-position tensor ``[N, S, ...]`` of the shared rows back to stock positions ``index`` ``[R, T]``.
+    """Gather a per-position tensor `[N, S, ...]` of the shared rows back to stock positions `index` `[R, T]`.
 
-    Positions where ``valid`` is False get ``fill``. Differentiable: gradients of repeated positions add up, exactly as
+    Positions where `valid` is False get `fill`. Differentiable: gradients of repeated positions add up, exactly as
     the stock rows' separate copies of the shared prefix would.
     """
     flat = shared.reshape(shared.shape[0] * shared.shape[1], *shared.shape[2:])

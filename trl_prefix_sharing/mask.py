@@ -1,15 +1,15 @@
-"""The prefix-sharing attention mask: the one definition, in FlexAttention ``mask_mod`` form.
+"""The prefix-sharing attention mask: the one definition, in FlexAttention `mask_mod` form.
 
-The shared rows (:mod:`trl_prefix_sharing.layout`) hold a prefix trie laid out depth-first, so the tokens under a key
-form one span, ``[k, subtree_end[k])``. Every token carries:
+The shared rows (`trl_prefix_sharing.layout`) hold a prefix trie laid out depth-first, so the tokens under a key
+form one span, `[k, subtree_end[k])`. Every token carries:
 
-- ``subtree_end``: where the subtree of the token ends (padding: right after itself),
-- ``position_ids``: the position the token has in the ordinary, unshared sequence (for sliding windows),
-- ``key_visible`` (only where a trainer scores stock's padding): False for padding that is a query but never a key.
+- `subtree_end`: where the subtree of the token ends (padding: right after itself),
+- `position_ids`: the position the token has in the ordinary, unshared sequence (for sliding windows),
+- `key_visible` (only where a trainer scores stock's padding): False for padding that is a query but never a key.
 
-``on_path`` is the whole rule: a query sees a key when the key is on its path from the root, ``k <= q <
-subtree_end[k]``. It is causal and keeps documents (packing) and sibling subtrees apart by construction. Drawn for one
-pair ``[p p p | c c | r r r]`` (``subtree_end`` 8 8 8 5 5 8 8 8; the rejected branch starts with a copy of the last
+`on_path` is the whole rule: a query sees a key when the key is on its path from the root, `k <= q <
+subtree_end[k]`. It is causal and keeps documents (packing) and sibling subtrees apart by construction. Drawn for one
+pair `[p p p | c c | r r r]` (`subtree_end` 8 8 8 5 5 8 8 8; the rejected branch starts with a copy of the last
 prompt token)::
 
         p p p c c r r r   (keys)
@@ -22,7 +22,7 @@ prompt token)::
     r   x x x . . x x .
     r   x x x . . x x x
 
-Both the FlexAttention ``BlockMask`` (CUDA) and the dense boolean mask (SDPA, any device) are derived from these
+Both the FlexAttention `BlockMask` (CUDA) and the dense boolean mask (SDPA, any device) are derived from these
 functions, so there is nothing else to keep in sync.
 """
 
@@ -59,7 +59,7 @@ def same_document(document_ids: torch.Tensor):
 
 
 def on_path(subtree_end: torch.Tensor):
-    """A query sees the keys on its path from the root of the trie: a key whose subtree ``[k, subtree_end[k])``
+    """A query sees the keys on its path from the root of the trie: a key whose subtree `[k, subtree_end[k])`
     holds the query. Siblings' subtrees (other completions), other documents and later tokens are outside it."""
 
     # the query's own index is read from a tensor rather than compared as a number: torch 2.13's CPU FlexAttention
@@ -73,8 +73,8 @@ def on_path(subtree_end: torch.Tensor):
 
 
 def sliding_window(position_ids: torch.Tensor, window: int | torch.Tensor):
-    """Sliding-window attention measured in the original positions (as transformers does: ``q - kv < window``).
-    ``window`` may be a 0-d tensor (on the ids' device), which compiled code does not specialise on."""
+    """Sliding-window attention measured in the original positions (as transformers does: `q - kv < window`).
+    `window` may be a 0-d tensor (on the ids' device), which compiled code does not specialise on."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         return position_ids[b, q_idx] - position_ids[b, kv_idx] < window
@@ -98,11 +98,11 @@ def prefix_sharing_mask(
     window: int | torch.Tensor | None = None,
     key_visible: torch.Tensor | None = None,
 ):
-    """The prefix-sharing ``mask_mod``: :func:`on_path` (and an optional sliding window, and invisible padding keys
+    """The prefix-sharing `mask_mod`: `on_path` (and an optional sliding window, and invisible padding keys
     where the layout scores stock's padding).
 
-    With one pair per row this is the paper's ``!((rejected_start <= q) && (chosen_start <= kv < rejected_start))`` on
-    top of causal attention; with packing, :func:`same_document` holds as well (a key's subtree never leaves its
+    With one pair per row this is the paper's `!((rejected_start <= q) && (chosen_start <= kv < rejected_start))` on
+    top of causal attention; with packing, `same_document` holds as well (a key's subtree never leaves its
     document).
     """
     mods = [on_path(subtree_end)]
@@ -116,7 +116,7 @@ def prefix_sharing_mask(
 
 
 def dense_mask(mask_mod, batch_size: int, q_len: int, kv_len: int, device=None) -> torch.Tensor:
-    """Evaluate a ``mask_mod`` on the full grid: a boolean ``[batch, 1, q_len, kv_len]`` tensor, True = attend.
+    """Evaluate a `mask_mod` on the full grid: a boolean `[batch, 1, q_len, kv_len]` tensor, True = attend.
 
     This is what SDPA receives where FlexAttention cannot run (CPU backward, devices without it).
     """
@@ -131,8 +131,8 @@ _compiled_create_block_mask = None
 
 
 def block_mask(mask_mod, batch_size: int, q_len: int, kv_len: int, device, compile: bool | None = None):
-    """The FlexAttention ``BlockMask`` of a ``mask_mod``. ``compile`` (default: on CUDA) uses a compiled
-    ``create_block_mask``, which does not materialise the dense mask; uncompiled it does (fine for small CPU
+    """The FlexAttention `BlockMask` of a `mask_mod`. `compile` (default: on CUDA) uses a compiled
+    `create_block_mask`, which does not materialise the dense mask; uncompiled it does (fine for small CPU
     checks)."""
     from torch.nn.attention.flex_attention import create_block_mask
 

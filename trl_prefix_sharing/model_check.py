@@ -1,20 +1,20 @@
 """The start-up check: judge a model on the model itself, before it trains with the shared layout.
 
-The registry (:mod:`~trl_prefix_sharing.architectures`) decides by model type, measured on tiny configs. A model it has
-not measured (custom code under its own ``model_type``, a type from a newer transformers, an option the sweep did not
+The registry (`architectures`) decides by model type, measured on tiny configs. A model it has
+not measured (custom code under its own `model_type`, a type from a newer transformers, an option the sweep did not
 try such as a sliding window) is judged here instead: the first batch the trainer lays out gives a few examples (up to
 two prompts with at least two completions each), and the model runs them without gradients, in eval mode, three ways:
 
-- **stock**: the rows ``[prompt | completion]`` right-padded, as plain rows (the model's own positions and mask);
+- **stock**: the rows `[prompt | completion]` right-padded, as plain rows (the model's own positions and mask);
 - **stock, padded otherwise**: the same rows in reverse order with extra padding columns, which changes only the
   shapes the kernels see: the *spread*, the model's own numerical noise between two stock layouts of the same rows;
 - **shared**: the rows' prefix-shared layout through the trainer's own shared forward (its mask and position ids).
 
 The compared values are the per-token log-probs of every real token (a causal LM, through TRL's fused log-prob head as
 the trainers score them) or the rewards (a sequence classifier). The shared layout passes when its largest
-difference from stock is within ``max(TOLERANCE[dtype], SPREAD_FACTOR * spread)``: the floor calibrated per compute
-dtype on the spread of stock layouts (``scripts/calibrate_model_check.py``, results in
-``docs/benchmarks/model_check.md``), widened by the model's own measured spread (a deep model in bfloat16 is noisier
+difference from stock is within `max(TOLERANCE[dtype], SPREAD_FACTOR * spread)`: the floor calibrated per compute
+dtype on the spread of stock layouts (`scripts/calibrate_model_check.py`, results in
+`docs/benchmarks/model_check.md`), widened by the model's own measured spread (a deep model in bfloat16 is noisier
 than any tiny one). Under several processes every rank checks its own batch and all ranks take the largest difference
 and spread, so they agree on the verdict. A model with a sliding window gets prompts at least one window long (its
 prompt tokens repeated), so a window counted in row positions shows; every prompt is at least `MIN_PROMPT` tokens long
@@ -93,15 +93,15 @@ def check_rows(
     prompt_lengths: torch.Tensor | None = None,
     examples: torch.Tensor | None = None,
 ) -> list[tuple[list[int], list[list[int]]]]:
-    """The check's examples from a batch of stock rows (right or left padded): ``[(prompt, [completion, ...])]``, up
+    """The check's examples from a batch of stock rows (right or left padded): `[(prompt, [completion, ...])]`, up
     to `MAX_PROMPTS` prompts in the order they first appear, each with 2 to `MAX_COMPLETIONS` distinct, non-empty
     completions, the longest first (a prompt with fewer borrows another prompt's completions, or its own tokens
     reversed).
 
     Args:
-        prompt_lengths: ``[R]`` the real prompt tokens of each row; None: the common start of the rows of each example
-            (``examples``; a reward batch).
-        examples: ``[R]`` the example of each row (used when ``prompt_lengths`` is None).
+        prompt_lengths: `[R]` the real prompt tokens of each row; None: the common start of the rows of each example
+            (`examples`; a reward batch).
+        examples: `[R]` the example of each row (used when `prompt_lengths` is None).
     """
     mask = attention_mask.bool().cpu()
     rows = [ids[keep].tolist() for ids, keep in zip(input_ids.cpu(), mask, strict=True)]  # once, before training
@@ -200,8 +200,8 @@ def compute_dtype(model, device) -> torch.dtype:
 
 
 def _scores(model, kind: str, input_ids, attention_mask, layout=None):
-    """The compared values of every row: ``[R, L - 1]`` per-token log-probs through TRL's fused head (``kind``
-    "fused") with the mask of the scored ones, or ``[R, labels]`` rewards ("classifier")."""
+    """The compared values of every row: `[R, L - 1]` per-token log-probs through TRL's fused head (`kind`
+    "fused") with the mask of the scored ones, or `[R, labels]` rewards ("classifier")."""
     shared = {} if layout is None else {"prefix_sharing": layout}
     if kind == "classifier":
         logits = model(input_ids=input_ids, attention_mask=attention_mask, **shared).logits.float()
@@ -242,13 +242,13 @@ def run_model_check(
     window: int | None = None,
     autocast=None,
 ) -> ModelCheckResult:
-    """Run the start-up check on ``model`` (the unwrapped model, its shared forward installed).
+    """Run the start-up check on `model` (the unwrapped model, its shared forward installed).
 
     Args:
-        examples: from :func:`check_rows`.
-        layout_fn: ``layout_fn(input_ids, attention_mask, prompt_lengths, examples)``: the shared layout, with its
+        examples: from `check_rows`.
+        layout_fn: `layout_fn(input_ids, attention_mask, prompt_lengths, examples)`: the shared layout, with its
             mask, that the trainer builds for such rows.
-        kind: ``"fused"`` (a causal LM with TRL's fused log-prob head) or ``"classifier"`` (a reward model).
+        kind: `"fused"` (a causal LM with TRL's fused log-prob head) or `"classifier"` (a reward model).
         window: the model's sliding window (prompts are stretched to it).
         autocast: the trainer's `accelerator.autocast` (the check runs in the precision training runs in).
     """

@@ -3,7 +3,7 @@ sequence `[prompt | completion 1 | completion 2]` (`args.prefix_sharing`).
 
 TRL's `_forward` runs every prompt twice (rows `i` and `i + B` share it) through full logits and a `log_softmax`,
 for the policy and again for the reference. With prefix sharing, `_forward` lays both completions after one copy of
-the prompt (the layout of :mod:`trl_prefix_sharing.layout`, stock's column positions) and scores them with TRL's fused
+the prompt (the layout of `trl_prefix_sharing.layout`, stock's column positions) and scores them with TRL's fused
 log-prob head (`add_fused_lm_head`), so no logits are materialised over the prompt. TRL's loss and statistics code runs
 unchanged. Stock also scores the padding after each completion (its `objective/kl` and `objective/entropy` sum those
 log-probs too); the layout scores the same padding positions the way stock computes them (a padding query sees its

@@ -1,5 +1,5 @@
 """`ORPOTrainer`: TRL's experimental ORPO trainer, computing each prompt once per pair (`args.prefix_sharing`); see
-:mod:`trl_prefix_sharing.concatenated`."""
+`trl_prefix_sharing.concatenated`."""
 
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 
 Packing changes what a batch is, and this module is everything that follows from it, with or without prefix sharing:
 
-- **Batches**: a multipack first-fit-decreasing sampler (:class:`~trl_prefix_sharing.sampler.MultipackSampler`) fills
+- **Batches**: a multipack first-fit-decreasing sampler (`MultipackSampler`) fills
   rows of `packing_length` tokens with whole examples, so a micro-batch holds a variable number of pairs. Each example
-  is one document of its row (the layout of :mod:`trl_prefix_sharing.layout`; with prefix sharing off, each of its
+  is one document of its row (the layout of `trl_prefix_sharing.layout`; with prefix sharing off, each of its
   sequences is a document of its own). A streamed dataset has no lengths to read ahead: its batches keep
   `per_device_train_batch_size` examples and are packed as they arrive.
 - **Loss**: TRL averages over the pairs of a micro-batch. Under packing that would weigh pairs unequally, so the loss
@@ -14,7 +14,7 @@ Packing changes what a batch is, and this module is everything that follows from
   (or completion tokens) each micro-batch averaged over. Gathers accept per-rank sizes (`distributed.py`).
 - **Evaluation**: `eval_loss` is the per-pair mean over the dataset (each packed batch's mean repeated once per pair).
 
-:class:`PackingMixin` sits between the prefix-sharing mixin and TRL's trainer class; it reads the layout the collator
+`PackingMixin` sits between the prefix-sharing mixin and TRL's trainer class; it reads the layout the collator
 builds but nothing of the sharing itself.
 """
 
@@ -43,7 +43,7 @@ class TrainerMultipackSampler(MultipackSampler, BatchRebalanceSampler):
     """A `MultipackSampler` the Trainer passes as `batch_sampler` and does not re-shard (it is already rank-aware):
     transformers' `_get_dataloader` does exactly this for `BatchRebalanceSampler` instances.
 
-    ``members``: the dataset indices of each packed unit when a unit is several examples (a prompt's pairs, under
+    `members`: the dataset indices of each packed unit when a unit is several examples (a prompt's pairs, under
     `group_by_prompt`); the lengths are then the units', and each batch yields their examples."""
 
     def __init__(self, *args, members: list[list[int]] | None = None, **kwargs):
@@ -108,12 +108,11 @@ def _common_start(*rows) -> tuple:
     return tuple(rows[0][:end])
 
 
-class PackingMixin:
-    """Packing; see the module docstring. Needs `self.data_collator` to be a `PrefixSharingCollator` once set up
-    (`_setup_packing()`, called when the collator is wrapped)."""
+class PackedBatchesMixin:
+    """Packing's batches: the packed rows' length and row policy, the multipack and prompt-group samplers, and the
+    start-of-training log line. Needs `self.data_collator` to be a `PrefixSharingCollator` once the trainer wrapped it
+    (`_packed_rows` is asked then)."""
 
-    #: metric -> which completion tokens it averages over ("all", "chosen", "rejected"); others are per-pair means
-    _token_weighted_metrics: dict[str, str] = {}
     #: stock rows per example (a preference pair); a stream's packing unit is at most this many rows of `max_length`
     _rows_per_example = 2
 
@@ -141,7 +140,7 @@ class PackingMixin:
         return RowPolicy(pack=True, length=self._packing_length, one_row=True)
 
     def _unit_lengths(self, dataset, grouped: bool = False) -> list[int]:
-        """Each example's packing unit; ``grouped``: each prompt group's (`group_by_prompt`), in `_groups` order."""
+        """Each example's packing unit; `grouped`: each prompt group's (`group_by_prompt`), in `_groups` order."""
         key = (getattr(dataset, "_fingerprint", None) or id(dataset), grouped)
         if key not in self._unit_lengths_cache:
             groups = self._groups(dataset) if grouped else None
@@ -202,7 +201,7 @@ class PackingMixin:
 
     # ----------------------------------------------------------------------------------------------- batches
     def _multipack_sampler(self, dataset, shuffle: bool, grouped: bool = False) -> TrainerMultipackSampler:
-        """``grouped``: the packing unit is a prompt's examples together (their trie), not one example."""
+        """`grouped`: the packing unit is a prompt's examples together (their trie), not one example."""
         self._setup_prefix_sharing()
         return TrainerMultipackSampler(
             self._unit_lengths(dataset, grouped=grouped),
@@ -236,6 +235,31 @@ class PackingMixin:
     def _pairs_in(self, batch) -> int:
         """Examples TRL's loss averages over in this batch."""
         return batch["input_ids"].shape[0] // 2
+
+    def train(self, *args, **kwargs):
+        if self.packing and not self._packing_logged and self.args.should_log:
+            if isinstance(self.train_dataset, Dataset):
+                sampler = self._multipack_sampler(self.train_dataset, shuffle=True)
+                logger.warning(
+                    f"Packing: rows of {self._packing_length} tokens, {len(sampler)} per epoch "
+                    f"on this rank, {100 * sampler.efficiency():.1f}% of their tokens used."
+                )
+            else:
+                logger.warning(
+                    f"Packing a streamed dataset: each batch of {self.args.per_device_train_batch_size} "
+                    "examples as it arrives (no lengths to read ahead, so no multipack sampler), in rows of "
+                    f"at most {self._packing_length} tokens."
+                )
+        self._packing_logged = True
+        return super().train(*args, **kwargs)
+
+
+class PackingMixin(PackedBatchesMixin):
+    """Packing; see the module docstring: its batches (`PackedBatchesMixin`), and the loss, metrics and evaluation
+    that follow from a variable number of pairs per micro-batch."""
+
+    #: metric -> which completion tokens it averages over ("all", "chosen", "rejected"); others are per-pair means
+    _token_weighted_metrics: dict[str, str] = {}
 
     # ----------------------------------------------------------------------------------------------- loss
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -323,21 +347,3 @@ class PackingMixin:
             return super().evaluation_loop(*args, **kwargs)
         finally:
             self.gather_function = gather_function
-
-    # ----------------------------------------------------------------------------------------------- training
-    def train(self, *args, **kwargs):
-        if self.packing and not self._packing_logged and self.args.should_log:
-            if isinstance(self.train_dataset, Dataset):
-                sampler = self._multipack_sampler(self.train_dataset, shuffle=True)
-                logger.warning(
-                    f"Packing: rows of {self._packing_length} tokens, {len(sampler)} per epoch "
-                    f"on this rank, {100 * sampler.efficiency():.1f}% of their tokens used."
-                )
-            else:
-                logger.warning(
-                    f"Packing a streamed dataset: each batch of {self.args.per_device_train_batch_size} "
-                    "examples as it arrives (no lengths to read ahead, so no multipack sampler), in rows of "
-                    f"at most {self._packing_length} tokens."
-                )
-        self._packing_logged = True
-        return super().train(*args, **kwargs)

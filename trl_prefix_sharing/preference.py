@@ -1,9 +1,9 @@
 """What the prefix-sharing DPO and reward trainers have in common, as a mixin placed before TRL's trainer class.
 
-The stock collator's batch gets its shared layout from :class:`~trl_prefix_sharing.collator.PrefixSharingCollator`;
-per step, the integration object (:mod:`trl_prefix_sharing.sharing`) builds its mask once, shared by the policy and
-reference passes, and the models' wrapped forwards run the shared rows and hand back stock-shaped outputs. TRL's own
-loss code runs unchanged. Packing (:mod:`trl_prefix_sharing.packing`) composes with it.
+The stock collator's batch gets its `Layout` from `PrefixSharingCollator`; per step, the start-up check runs on the
+first batch, then the trainer's session (`session.py`) adds the layout's mask once, shared by the policy and reference
+passes, and the models' wrapped forwards run the shared rows and hand back stock-shaped outputs. TRL's own loss code
+runs unchanged. Packing (`packing.py`) composes with it.
 """
 
 from __future__ import annotations

@@ -1,19 +1,19 @@
 """`MultipackSampler`: a batch sampler that packs examples into fixed token budgets by first-fit decreasing.
 
-Usable as ``DataLoader(dataset, batch_sampler=MultipackSampler(lengths, max_tokens, ...))`` in any PyTorch code:
-each batch is a list of dataset indices whose lengths sum to at most ``max_tokens``.
+Usable as `DataLoader(dataset, batch_sampler=MultipackSampler(lengths, max_tokens, ...))` in any PyTorch code:
+each batch is a list of dataset indices whose lengths sum to at most `max_tokens`.
 
 - **First-fit decreasing, really decreasing**: items are sorted by length, longest first (ties in a seeded random
-  order), and each goes into the *first* open bin with room (a max segment tree finds it in ``O(log n)``). Not next-fit
+  order), and each goes into the *first* open bin with room (a max segment tree finds it in `O(log n)`). Not next-fit
   over a random order, which wastes 5-10%.
-- **Shuffled** by ``seed`` and the epoch (``set_epoch``): the bin order, and which of equal-length items go together.
+- **Shuffled** by `seed` and the epoch (`set_epoch`): the bin order, and which of equal-length items go together.
   The same (seed, epoch) gives the same batches; the number of batches is the same every epoch.
 - **Several ranks**: every rank yields the same number of batches (unequal counts hang distributed training) and the
   token load per rank is balanced (heaviest bin to the lightest rank with room). Every index appears exactly once
   across ranks over an epoch. To make the count divisible by the number of ranks, bins are split (both halves still
   fit); only when no bin can be split (fewer examples than ranks, or every example alone in its bin) are a few
-  batches repeated, as torch's ``DistributedSampler`` does. With ``drop_last`` the lightest surplus bins are dropped.
-- ``len()`` is exact; ``efficiency()`` is used / available tokens over the batches this rank yields.
+  batches repeated, as torch's `DistributedSampler` does. With `drop_last` the lightest surplus bins are dropped.
+- `len()` is exact; `efficiency()` is used / available tokens over the batches this rank yields.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ __all__ = ["MultipackSampler", "first_fit_decreasing"]
 
 
 class _FirstFitTree:
-    """Max segment tree over bin capacities: the leftmost bin with at least ``size`` room, in O(log n)."""
+    """Max segment tree over bin capacities: the leftmost bin with at least `size` room, in O(log n)."""
 
     def __init__(self, num_bins: int, capacity: int):
         self.size = 1
@@ -57,7 +57,7 @@ class _FirstFitTree:
 
 
 def first_fit_decreasing(order: Sequence[int], lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Pack the items ``order`` (already sorted longest first) into bins of ``capacity`` by first fit."""
+    """Pack the items `order` (already sorted longest first) into bins of `capacity` by first fit."""
     tree = _FirstFitTree(len(order), capacity)
     bins: list[list[int]] = []
     for index in order:
@@ -69,13 +69,13 @@ def first_fit_decreasing(order: Sequence[int], lengths: Sequence[int], capacity:
 
 
 class MultipackSampler(Sampler[list[int]]):
-    """Batches of dataset indices packed into ``max_tokens`` by first-fit decreasing; see the module docstring.
+    """Batches of dataset indices packed into `max_tokens` by first-fit decreasing; see the module docstring.
 
     Args:
         lengths: token length of every dataset item (the packing unit).
         max_tokens: token budget of a batch.
         num_replicas: number of ranks; rank: this rank.
-        seed: shuffling seed; the epoch (``set_epoch``) is mixed in.
+        seed: shuffling seed; the epoch (`set_epoch`) is mixed in.
         drop_last: drop the lightest bins that do not divide evenly among ranks instead of splitting or repeating.
         shuffle: shuffle bin order and ties (False: deterministic by length, for evaluation).
     """

@@ -32,7 +32,7 @@ from .patching import is_patched, keep_own, mark_patched, put_back_own
 from .vision import has_vision_inputs, shared_vision_inputs
 
 
-__all__ = ["PrefixSharingSession", "pad_token_id"]
+__all__ = ["ModelPatches", "PrefixSharingSession", "pad_token_id"]
 
 #: the attribute of a model that keeps its forward from before TRL's fused log-prob head was added here
 _UNFUSED = "_prefix_sharing_unfused_forward"
@@ -83,9 +83,7 @@ class PrefixSharingSession:
         #: a trainer whose TRL code calls its models without a layout sets this: `router(model, kwargs)` gives the
         #: layout of a fused call's rows, a finished output, or None (see `install_prefix_sharing_forward`)
         self.router = None
-        self.attached = False
-        self._fuse_lm_head = fuse_lm_head
-        self._switch = AttentionSwitch()
+        self.patches = ModelPatches(self.models, self.attn_implementation, fuse_lm_head, autocast, self._route)
         self._layouts = _LayoutCache()
 
     @property
@@ -93,37 +91,17 @@ class PrefixSharingSession:
         """Unpacked shared rows: one document per row, the width rounded up to this session's multiple."""
         return RowPolicy(multiple=self.row_multiple)
 
-    # ----------------------------------------------------------------------------------------------- models
     def attach(self) -> None:
-        """Patch the models: (TRL's fused log-prob head,) the attention implementation, the shared forward. The
-        trainer attaches for the length of `train()`, `evaluate()` and `predict()`, and on first use by a direct call
-        of a step; idempotent."""
-        if self.attached:
-            return
-        if self._fuse_lm_head:
-            from trl.trainer.utils import add_fused_lm_head
-
-            outputs = self._fuse_lm_head if isinstance(self._fuse_lm_head, tuple) else ("log_probs",)
-            for model in self.models:
-                if not is_patched(model, _UNFUSED):
-                    keep_own(model, "forward", _UNFUSED)
-                    add_fused_lm_head(model, outputs=outputs)
-                    mark_patched(model, "forward", _UNFUSED)
-        for model in self.models:
-            self._switch.apply(model, self.attn_implementation)
-            install_prefix_sharing_forward(model, autocast=self.autocast, route=self._route)
-        self.attached = True
+        """Patch the models (see `ModelPatches.attach`); idempotent."""
+        self.patches.attach()
 
     def detach(self) -> None:
-        """Undo the patches of `attach`: the models run on their own attention implementation and generate as
-        stock. A forward that accelerate has since wrapped in its mixed precision (a model prepared for training)
-        stays beneath that wrapper, passing every call without a layout through unchanged (taking it out would drop
-        accelerate's wrapper too); every other patch is taken out."""
-        for model in self.models:
-            if remove_prefix_sharing_forward(model):
-                put_back_own(model, "forward", _UNFUSED)
-        self._switch.restore()
-        self.attached = False
+        """Undo the patches (see `ModelPatches.detach`)."""
+        self.patches.detach()
+
+    @property
+    def attached(self) -> bool:
+        return self.patches.attached
 
     def _route(self, model, kwargs: dict):
         return None if self.router is None else self.router(model, kwargs)
@@ -206,6 +184,55 @@ class PrefixSharingSession:
 
     def _checks_on(self, tensor: torch.Tensor) -> bool:
         return self.checks if self.checks is not None else tensor.device.type == "cpu"
+
+
+class ModelPatches:
+    """The patches a session puts on its models, scoped to those instances and reversible.
+
+    Args:
+        models: the models to patch.
+        attn_implementation: the attention implementation they run the shared layout on.
+        fuse_lm_head: add TRL's fused log-prob head first (see `PrefixSharingSession`).
+        autocast: accelerate's autocast, for a forward accelerate already wrapped.
+        route: the session's router (see `install_prefix_sharing_forward`).
+    """
+
+    def __init__(self, models, attn_implementation: str, fuse_lm_head, autocast, route):
+        self.models, self.attn_implementation = models, attn_implementation
+        self.fuse_lm_head, self.autocast, self.route = fuse_lm_head, autocast, route
+        self.attached = False
+        self._switch = AttentionSwitch()
+
+    def attach(self) -> None:
+        """Patch the models: (TRL's fused log-prob head,) the attention implementation, the shared forward. The
+        trainer attaches for the length of `train()`, `evaluate()` and `predict()`, and on first use by a direct call
+        of a step; idempotent."""
+        if self.attached:
+            return
+        if self.fuse_lm_head:
+            from trl.trainer.utils import add_fused_lm_head
+
+            outputs = self.fuse_lm_head if isinstance(self.fuse_lm_head, tuple) else ("log_probs",)
+            for model in self.models:
+                if not is_patched(model, _UNFUSED):
+                    keep_own(model, "forward", _UNFUSED)
+                    add_fused_lm_head(model, outputs=outputs)
+                    mark_patched(model, "forward", _UNFUSED)
+        for model in self.models:
+            self._switch.apply(model, self.attn_implementation)
+            install_prefix_sharing_forward(model, autocast=self.autocast, route=self.route)
+        self.attached = True
+
+    def detach(self) -> None:
+        """Undo the patches of `attach`: the models run on their own attention implementation and generate as
+        stock. A forward that accelerate has since wrapped in its mixed precision (a model prepared for training)
+        stays beneath that wrapper, passing every call without a layout through unchanged (taking it out would drop
+        accelerate's wrapper too); every other patch is taken out."""
+        for model in self.models:
+            if remove_prefix_sharing_forward(model):
+                put_back_own(model, "forward", _UNFUSED)
+        self._switch.restore()
+        self.attached = False
 
 
 class _LayoutCache:

@@ -46,8 +46,40 @@ class _ForwardInPlace(TrainerCallback):
             check_forward_in_place(trainer.sharing.models, getattr(args, "use_liger_kernel", False))
 
 
-class PrefixSharingMixin:
-    """Placed before TRL's trainer class (and before :class:`~trl_prefix_sharing.packing.PackingMixin`). A trainer
+class _PatchedWhileRunning:
+    """The models patched for the length of `train()`, `evaluate()` and `predict()` (nested calls: the outermost),
+    and left as TRL leaves them afterwards. Needs `self.sharing` (None: nothing to patch) and
+    `self._sharing_scope_depth` (0 in the trainer's `__init__`)."""
+
+    @contextlib.contextmanager
+    def _prefix_sharing_scope(self):
+        """The models patched for the block (nested blocks: the outermost one), as TRL left them afterwards."""
+        depth = self._sharing_scope_depth
+        self._sharing_scope_depth = depth + 1
+        try:
+            if self.sharing is not None:
+                self.sharing.attach()
+            yield
+        finally:
+            self._sharing_scope_depth = depth
+            if depth == 0 and self.sharing is not None:
+                self.sharing.detach()
+
+    def train(self, *args, **kwargs):
+        with self._prefix_sharing_scope():
+            return super().train(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        with self._prefix_sharing_scope():
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        with self._prefix_sharing_scope():
+            return super().predict(*args, **kwargs)
+
+
+class PrefixSharingMixin(_PatchedWhileRunning):
+    """Placed before TRL's trainer class (and before `PackingMixin`). A trainer
     calls `_init_prefix_sharing(...)` before TRL's `__init__` and `_setup_prefix_sharing()` after it; the integration
     object is then `self.sharing` (None while the trainer runs as stock TRL)."""
 
@@ -65,7 +97,7 @@ class PrefixSharingMixin:
         the processor)."""
         self.sharing = None
         self.model_check = None
-        self._sharing_scope_depth = 0  # nested `train()`/`evaluate()`/`predict()` calls (see `_prefix_sharing_scope`)
+        self._sharing_scope_depth = 0
         warn_if_not_our_config(args, self._config_class, type(self).__name__)
         warn_if_fewer_processes_than_asked()
         self._prefix_sharing = bool(getattr(args, "prefix_sharing", False))
@@ -146,37 +178,11 @@ class PrefixSharingMixin:
             self.model_check.run(self.sharing, input_ids, attention_mask, prompt_lengths, examples)
 
     def _finish_prefix_sharing_init(self) -> None:
-        """The end of the trainer's `__init__`: the integration object set up, the models left as TRL leaves them (the
+        """The end of the trainer's `__init__`: the session set up, the models left as TRL leaves them (the
         patches are attached by `train()`, `evaluate()` and `predict()` for their length)."""
         self._setup_prefix_sharing()
         if self.sharing is not None:
             self.sharing.detach()
-
-    @contextlib.contextmanager
-    def _prefix_sharing_scope(self):
-        """The models patched for the block (nested blocks: the outermost one), as TRL left them afterwards."""
-        depth = self._sharing_scope_depth
-        self._sharing_scope_depth = depth + 1
-        try:
-            if self.sharing is not None:
-                self.sharing.attach()
-            yield
-        finally:
-            self._sharing_scope_depth = depth
-            if depth == 0 and self.sharing is not None:
-                self.sharing.detach()
-
-    def train(self, *args, **kwargs):
-        with self._prefix_sharing_scope():
-            return super().train(*args, **kwargs)
-
-    def evaluate(self, *args, **kwargs):
-        with self._prefix_sharing_scope():
-            return super().evaluate(*args, **kwargs)
-
-    def predict(self, *args, **kwargs):
-        with self._prefix_sharing_scope():
-            return super().predict(*args, **kwargs)
 
     def _setup_collator(self) -> None:
         """Preference trainers wrap their collator (see `PreferenceSharingMixin`); online trainers lay out in the

@@ -50,7 +50,7 @@ class SharingStats:
 
 
 def sharing_stats(dataset, collator, max_examples: int = 10_000, chunk_size: int = 256) -> SharingStats:
-    """Run ``collator`` (a :class:`PrefixSharingCollator`) over up to ``max_examples`` rows and count positions, each
+    """Run `collator` (a `PrefixSharingCollator`) over up to `max_examples` rows and count positions, each
     example on its own (what every micro-batch saves; one that also holds other pairs of a prompt saves more)."""
     total = len(dataset)
     n = min(total, max_examples)
@@ -69,8 +69,8 @@ def sharing_stats(dataset, collator, max_examples: int = 10_000, chunk_size: int
 
 
 def causal_pairs(prefix: int, branches: list[int]) -> int:
-    """Query-key pairs a causal mask allows in a shared layout: ``prefix`` positions every branch reads, then each
-    branch of ``branches[i]`` positions (a stock row of ``prefix + b`` tokens is ``causal_pairs(0, [prefix + b])``)."""
+    """Query-key pairs a causal mask allows in a shared layout: `prefix` positions every branch reads, then each
+    branch of `branches[i]` positions (a stock row of `prefix + b` tokens is `causal_pairs(0, [prefix + b])`)."""
     cost = prefix * (prefix + 1) // 2
     for b in branches:
         cost += b * prefix + b * (b + 1) // 2
@@ -115,7 +115,7 @@ class GroupStats:
 
 
 def group_stats(prompt_lengths: list[int], completion_length: int, num_generations: int) -> GroupStats:
-    """:class:`GroupStats` of one group per prompt length, every completion ``completion_length`` tokens long."""
+    """`GroupStats` of one group per prompt length, every completion `completion_length` tokens long."""
     g, c = num_generations, completion_length
     stock = shared = stock_attention = shared_attention = empty = 0
     for p in prompt_lengths:

@@ -20,7 +20,9 @@ deep in a training step. What is checked, per `Internal`:
     `tests/test_kto_equivalence.py`;
   - GRPO and RLOO `_get_per_token_logps_and_entropies` (how it calls the model, which the shared-rows proxy answers):
     `test_crafted_batch_log_probs_and_gradients_match_stock`;
-  - DPO `_prepare_dataset` (called without a trainer by the `stats` command): `tests/test_stats_cli.py`.
+  - DPO and reward `_prepare_dataset`, whose tokenisation the `stats` command re-derives from TRL's public data
+    functions (it builds no trainer): `test_stats_dpo_preprocessing_is_trls` and
+    `test_stats_reward_preprocessing_is_trls`.
 
 No TRL method body is copied: each override calls TRL's own method, and the GRPO/RLOO shuffle is replaced by swapping
 the one function TRL's `_prepare_inputs` calls, for the duration of that call (`replaced_function`).
@@ -64,7 +66,8 @@ SUPPORTED_TRL = ">=1.16,<1.17"
 @dataclass(frozen=True)
 class Internal:
     """One internal we depend on: `owner` (an import path, `module:Class` or `module`), `name`, how we use it
-    (`"override"`, `"read"`, `"write"`, `"replace"`: swapped during a call, `"call"`), for a method or function the
+    (`"override"`, `"read"`, `"write"`, `"replace"`: swapped during a call, `"call"`, `"mirror"`: re-derived from
+    public parts, its fingerprint kept), for a method or function the
     leading parameters we pass or receive (checked against its signature), and what else is checked (see the module
     docstring)."""
 
@@ -140,7 +143,7 @@ def _public_overrides(owner: str, compute_loss: bool = False) -> tuple[Internal,
 
 
 def _group_trainer_internals(owner: str) -> tuple[Internal, ...]:
-    """What `group_sharing.GroupSharingTrainerMixin` uses of TRL's GRPO or RLOO trainer class (``module:Class``)."""
+    """What `group_sharing.GroupSharingTrainerMixin` uses of TRL's GRPO or RLOO trainer class (`module:Class`)."""
     module = owner.partition(":")[0]
     return (
         Internal(owner, "_get_per_token_logps_and_entropies", "override", _LOGPS, fingerprint="703df12f7c8c4bc8"),
@@ -230,13 +233,12 @@ INTERNALS: dict[str, tuple[Internal, ...]] = {
         *_concatenated_trainer_internals(_CPO, "614b824c96f1c20a"),
         Internal(_CPO, "pad_token_id", "read", attribute=True),
     ),
-    # the `trl-prefix-sharing` command line: TRL's argument splitting, and its dataset preparation run without a
-    # trainer (`stats`)
+    # the `trl-prefix-sharing` command line: TRL's argument splitting, and the dataset preparation `stats` re-derives
+    # from TRL's public data functions (no trainer is built)
     "cli": (Internal("trl.cli.commands.training", "_subtract_subsequence", "call"),),
     "stats": (
-        Internal(_DPO, "_prepare_dataset", "call", _PREPARE, fingerprint="733c5737c4949f4e"),
-        Internal(_DPO, "_tokenizer", "write", attribute=True),
-        Internal(_REWARD, "_prepare_dataset", "call", _PREPARE, fingerprint="c4f390d195808b86"),
+        Internal(_DPO, "_prepare_dataset", "mirror", fingerprint="733c5737c4949f4e"),
+        Internal(_REWARD, "_prepare_dataset", "mirror", fingerprint="c4f390d195808b86"),
     ),
 }
 
@@ -374,7 +376,7 @@ def installed_fingerprints() -> dict[str, str]:
 
 
 def import_experimental(name: str, trainer: str):
-    """``trl.experimental.<name>``, or an error that says what is missing and the way out: TRL removes experimental
+    """`trl.experimental.<name>`, or an error that says what is missing and the way out: TRL removes experimental
     trainers without a deprecation cycle, and only the module of that trainer fails to import, not this package."""
     try:
         return importlib.import_module(f"trl.experimental.{name}")
@@ -391,7 +393,7 @@ def import_experimental(name: str, trainer: str):
 
 @contextlib.contextmanager
 def replaced_function(module_name: str, name: str, replacement):
-    """Within the block, ``module_name.name`` is ``replacement`` (for the code of that module that calls it by name);
+    """Within the block, `module_name.name` is `replacement` (for the code of that module that calls it by name);
     restored on exit, whatever happens. Scoped to one call of a TRL method: nothing else sees it afterwards."""
     module = importlib.import_module(module_name)
     original = getattr(module, name)

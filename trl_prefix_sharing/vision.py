@@ -1,26 +1,26 @@
 """Vision-language models under the shared layout: each pair's images through the vision tower once, M-RoPE positions
 gathered from stock's.
 
-TRL's vision DPO collator (``DataCollatorForVisionPreference``) repeats every example's images for its chosen and its
-rejected row: ``pixel_values`` holds each image twice, and the model runs the vision tower on both copies. The images
-sit in the prompt, so in the shared layout (:mod:`trl_prefix_sharing.layout`) their placeholder tokens fall in the
+TRL's vision DPO collator (`DataCollatorForVisionPreference`) repeats every example's images for its chosen and its
+rejected row: `pixel_values` holds each image twice, and the model runs the vision tower on both copies. The images
+sit in the prompt, so in the shared layout (`trl_prefix_sharing.layout`) their placeholder tokens fall in the
 shared prefix: the shared rows hold each image's tokens once, and need each image's features once.
 
-Once per step (the policy and reference passes share it), :func:`shared_vision_inputs` turns the stock batch's vision
+Once per step (the policy and reference passes share it), `shared_vision_inputs` turns the stock batch's vision
 inputs into the shared rows' ones:
 
-- ``position_ids`` ``[3, N, S]``: the multimodal rotary positions (M-RoPE: temporal, height, width rows) that the
-  model itself computes for the *stock* rows (its own ``compute_3d_position_ids``, the call its forward makes), moved
-  to the shared positions through the layout's ``stock_index``; a shared position reached from several stock rows must
+- `position_ids` `[3, N, S]`: the multimodal rotary positions (M-RoPE: temporal, height, width rows) that the
+  model itself computes for the *stock* rows (its own `compute_3d_position_ids`, the call its forward makes), moved
+  to the shared positions through the layout's `stock_index`; a shared position reached from several stock rows must
   get the same value from each (checked).
-- ``pixel_values`` and ``image_grid_thw``: the images in the order their placeholder tokens appear in the shared rows.
+- `pixel_values` and `image_grid_thw`: the images in the order their placeholder tokens appear in the shared rows.
   Each stock image occupies a run of placeholder tokens (the model fills them in row-major order, so image k takes the
-  k-th run of ``prod(grid_k) / merge**2`` tokens); the stock images whose runs land on the same shared positions are
+  k-th run of `prod(grid_k) / merge**2` tokens); the stock images whose runs land on the same shared positions are
   the copies of one image (checked equal, pixel for pixel) and are kept once.
-- ``mm_token_type_ids``: moved to the shared positions like every per-token input.
+- `mm_token_type_ids`: moved to the shared positions like every per-token input.
 
-The prefix-shared forward (:mod:`trl_prefix_sharing.forward`) then substitutes these for the stock ones
-(:func:`substitute`). Only the families in :data:`VISION_MODEL_TYPES` are proven equal to stock TRL; others get a
+The prefix-shared forward (`trl_prefix_sharing.forward`) then substitutes these for the stock ones
+(`substitute`). Only the families in `VISION_MODEL_TYPES` are proven equal to stock TRL; others get a
 clear error.
 """
 
@@ -116,7 +116,7 @@ def _no_cache(method) -> dict:
 
 
 def _stock_position_ids(base_model, inputs) -> torch.Tensor:
-    """M-RoPE positions ``[3, R, L]`` of the stock rows, computed by the model's own code as its forward does."""
+    """M-RoPE positions `[3, R, L]` of the stock rows, computed by the model's own code as its forward does."""
     input_ids = inputs["input_ids"]
     position_ids = base_model.compute_3d_position_ids(
         input_ids=input_ids,
@@ -134,7 +134,7 @@ def _stock_position_ids(base_model, inputs) -> torch.Tensor:
 
 
 def _to_shared(values: torch.Tensor, index: torch.Tensor, base: torch.Tensor, what: str) -> torch.Tensor:
-    """Scatter per-token ``values`` ``[..., R, L]`` of the stock rows to the shared rows (``base`` ``[..., N, S]``
+    """Scatter per-token `values` `[..., R, L]` of the stock rows to the shared rows (`base` `[..., N, S]`
     fills padding); every shared position must receive one value, whichever stock row it comes from."""
     real = index >= 0
     lead = values.shape[:-2]
@@ -147,9 +147,9 @@ def _to_shared(values: torch.Tensor, index: torch.Tensor, base: torch.Tensor, wh
 
 
 def shared_vision_inputs(model, inputs, layout) -> dict[str, torch.Tensor]:
-    """The shared rows' vision inputs (see the module docstring) for the stock batch ``inputs`` and its ``layout``.
+    """The shared rows' vision inputs (see the module docstring) for the stock batch `inputs` and its `layout`.
 
-    ``model``: the (unwrapped) vision-language model; its backbone computes the stock M-RoPE positions.
+    `model`: the (unwrapped) vision-language model; its backbone computes the stock M-RoPE positions.
     """
     _check_keys(inputs)
     config = model.config
@@ -217,7 +217,7 @@ def shared_vision_inputs(model, inputs, layout) -> dict[str, torch.Tensor]:
 
 
 def substitute(kwargs: dict, layout: Layout) -> torch.Tensor:
-    """Replace the stock vision inputs in a forward's ``kwargs`` by the shared rows' ones; return the shared rows'
+    """Replace the stock vision inputs in a forward's `kwargs` by the shared rows' ones; return the shared rows'
     position ids (M-RoPE rows for a vision batch, the layout's own otherwise)."""
     vision = layout.vision
     if vision is None:

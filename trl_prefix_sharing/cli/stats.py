@@ -24,8 +24,8 @@ import json
 import math
 import os
 import sys
-import tempfile
 import warnings
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -422,153 +422,328 @@ def _check_columns(dataset, args) -> None:
 
 
 # --------------------------------------------------------------------------------------------------- preference data
+#
+# The preprocessing of TRL 1.16's preference trainers, done here with TRL's public data functions and the tokenizer
+# (no trainer, no model): `tests/test_stats_cli.py` compares the columns with what `DPOTrainer` and `RewardTrainer`
+# produce on the same data.
 
 
-def _preprocess(trainer, dataset, tokenizer, config):
-    """TRL's own preprocessing of `trainer`'s class (`_prepare_dataset`), without a model."""
+def _chat_template_kwargs(example: dict) -> dict:
+    """What a conversational example gives the chat template besides its messages: its `tools` (a list, or that list
+    as JSON text) and its `chat_template_kwargs`."""
+    tools = example.get("tools")
+    if isinstance(tools, str):
+        tools = json.loads(tools)
+    return {"tools": tools, **(example.get("chat_template_kwargs") or {})}
+
+
+def _token_ids(tokenizer, content, **template_kwargs) -> list[int]:
+    """The token ids of `content`: a list of messages rendered by the chat template, or a text (with the special
+    tokens the tokenizer adds to a text of its own accord)."""
+    if isinstance(content, list):
+        encoded = tokenizer.apply_chat_template(content, tokenize=True, return_dict=True, **template_kwargs)
+        return list(encoded["input_ids"])
+    return list(tokenizer(text=content)["input_ids"])
+
+
+def _common_length(ids: list[int], other: list[int]) -> int:
+    """How many leading tokens `ids` and `other` have in common."""
+    return len(os.path.commonprefix([ids, other]))
+
+
+def _with_eos(example: dict, eos_token: str) -> dict:
+    """A text completion ends with the EOS token, so that the model learns to stop: added where it is missing."""
+
+    def ended(text: str) -> str:
+        return text if text.endswith(eos_token) else text + eos_token
+
+    return {"chosen": ended(example["chosen"]), "rejected": ended(example["rejected"])}
+
+
+#: whether `_note_prompt_end_moved` has warned (once per process)
+_prompt_end_noted: list[bool] = []
+
+
+def _note_prompt_end_moved(tokenizer, moved: list[int]) -> None:
+    """Warn once that some prompts end differently alone than followed by their completions (TRL's DPO trainer
+    warns of it too): their last tokens, `moved`, count as completion tokens, as in training."""
+    if _prompt_end_noted:
+        return
+    _prompt_end_noted.append(True)
+    warnings.warn(
+        "the tokenized prompt of some examples is not where the tokenized prompt + completion starts (the chat "
+        "template renders a prompt alone differently, or tokens merge across its end); the completions start where "
+        f"they differ, so the prompt's end {tokenizer.decode(moved)!r} is counted as completion, as DPO trains on it",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
+def _tokenize_pair(example: dict, tokenizer) -> dict:
+    """DPO's columns of one example: the prompt's tokens, and each completion's tokens after it.
+
+    Each completion is tokenized together with its prompt, as the model reads them (conversational: rendered by the
+    chat template; the prompt alone ends with the generation prompt). The prompt is the start of the tokenized prompt
+    that both prompt-and-completion sequences share: a chat template may render a prompt alone differently, and a
+    tokenizer may merge tokens across the prompt's end; whatever differs belongs to the completions."""
+    from trl.data_utils import is_conversational
+
+    prompt, keys = example["prompt"], ("chosen", "rejected")
+    if is_conversational(example):
+        kwargs = _chat_template_kwargs(example)
+        prompt_ids = _token_ids(tokenizer, prompt, add_generation_prompt=True, **kwargs)
+        full = [_token_ids(tokenizer, prompt + example[key], **kwargs) for key in keys]
+    else:
+        prompt_ids = _token_ids(tokenizer, prompt)
+        full = [_token_ids(tokenizer, prompt + example[key]) for key in keys]
+    start = min(_common_length(prompt_ids, ids) for ids in full)
+    if start < len(prompt_ids):
+        _note_prompt_end_moved(tokenizer, prompt_ids[start:])
+    return {"prompt_ids": prompt_ids[:start], "chosen_ids": full[0][start:], "rejected_ids": full[1][start:]}
+
+
+def _tokenize_scored(example: dict, tokenizer) -> dict:
+    """The reward trainer's columns of one example: each completion tokenized as one sequence with the prompt, if
+    the example has one (conversational: rendered by the chat template, no generation prompt)."""
+    from trl.data_utils import is_conversational
+
+    prompt = example.get("prompt")
+    sequences = {key: example[key] if prompt is None else prompt + example[key] for key in ("chosen", "rejected")}
+    if is_conversational({**example, **sequences}):
+        kwargs = _chat_template_kwargs(example)
+        return {f"{key}_ids": _token_ids(tokenizer, ids, **kwargs) for key, ids in sequences.items()}
+    return {f"{key}_ids": _token_ids(tokenizer, text) for key, text in sequences.items()}
+
+
+def dpo_dataset(dataset, tokenizer, max_length: int | None, truncation_mode: str):
+    """`dataset` as TRL's `DPOTrainer` prepares it: `prompt_ids`, `chosen_ids` and `rejected_ids` per example.
+
+    Without a `prompt` column, the prompt is the start that `chosen` and `rejected` share (`trl.extract_prompt`).
+    Text completions (the first example tells) end with the EOS token. With `max_length` and `keep_start`
+    truncation, the examples whose prompt alone fills `max_length` are dropped: truncation would leave them no
+    completion token. The truncation itself is the collator's."""
+    from trl.data_utils import extract_prompt, is_conversational
+
+    if "prompt" not in dataset.column_names:
+        dataset = dataset.map(extract_prompt, desc="Extracting prompt from train dataset")
+    if not is_conversational(dataset[0]):
+        eos = {"eos_token": tokenizer.eos_token}
+        dataset = dataset.map(_with_eos, fn_kwargs=eos, desc="Adding EOS to train dataset")
+    dataset = dataset.map(_tokenize_pair, fn_kwargs={"tokenizer": tokenizer}, desc="Tokenizing train dataset")
+    if max_length is not None and truncation_mode == "keep_start":
+        dataset = dataset.filter(
+            lambda prompt_ids: len(prompt_ids) < max_length,
+            input_columns="prompt_ids",
+            desc="Dropping fully truncated examples from train dataset",
+        )
+    return dataset
+
+
+def reward_dataset(dataset, tokenizer, max_length: int | None):
+    """`dataset` as this package's `RewardTrainer` prepares it: TRL's `chosen_ids` and `rejected_ids` per pair (text
+    completions ending with the EOS token, the first example tells), or `completion_ids` per ranked example
+    (`trl_prefix_sharing.ranked.tokenize_ranked`). Columns already tokenized are kept (TRL's older names
+    `chosen_input_ids`, `rejected_input_ids` renamed). With `max_length`, the examples with a longer sequence are
+    dropped, whole."""
+    from trl.data_utils import is_conversational
+
+    from ..ranked import is_ranked_dataset, tokenize_ranked
+
+    columns = set(dataset.column_names)
+    if is_ranked_dataset(columns):
+        if "completion_ids" not in columns:
+            kwargs = {"processing_class": tokenizer}
+            dataset = dataset.map(tokenize_ranked, fn_kwargs=kwargs, desc="Tokenizing ranked train dataset")
+        fits = lambda completion_ids: all(len(ids) <= max_length for ids in completion_ids)  # noqa: E731
+        id_columns = ["completion_ids"]
+    else:
+        if not {"chosen_ids", "rejected_ids"} <= columns:
+            if {"chosen_input_ids", "rejected_input_ids"} <= columns:
+                renamed = {"chosen_input_ids": "chosen_ids", "rejected_input_ids": "rejected_ids"}
+                dataset = dataset.rename_columns(renamed)
+            else:
+                if not is_conversational(dataset[0]):
+                    eos = {"eos_token": tokenizer.eos_token}
+                    dataset = dataset.map(_with_eos, fn_kwargs=eos, desc="Adding EOS to train dataset")
+                kwargs = {"tokenizer": tokenizer}
+                dataset = dataset.map(_tokenize_scored, fn_kwargs=kwargs, desc="Tokenizing train dataset")
+        fits = lambda chosen, rejected: len(chosen) <= max_length and len(rejected) <= max_length  # noqa: E731
+        id_columns = ["chosen_ids", "rejected_ids"]
+    if max_length is not None:
+        dataset = dataset.filter(fits, input_columns=id_columns, desc=f"Filtering train >{max_length} tokens")
+    return dataset
+
+
+def _preprocess(trainer: str, prepare, dataset, tokenizer, *limits):
+    """`prepare(dataset, tokenizer, *limits)`, the preprocessing of TRL's `trainer`; a dataset it cannot take (a
+    column it lacks, a message or text the chat template or tokenizer refuses) is one error line."""
     try:
-        return trainer._prepare_dataset(dataset, tokenizer, config, "train")
-    except (ValueError, KeyError) as error:  # TRL's checks of the data and the tokenizer's; a column TRL reads
+        return prepare(dataset, tokenizer, *limits)
+    except (ValueError, KeyError) as error:  # the checks of the data and the tokenizer's; a column it reads
         cause = f"it reads a column {error} that the dataset lacks" if isinstance(error, KeyError) else _cause(error)
-        name = type(trainer).__name__
-        raise StatsError(f"TRL's {name} preprocessing cannot take this dataset ({cause})") from None
+        raise StatsError(f"TRL's {trainer} preprocessing cannot take this dataset ({cause})") from None
 
 
-def preference_report(dataset, tokenizer, args) -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+def _prepared_preferences(dataset, tokenizer, args):
+    """The dataset as `--trainer` prepares it, and TRL's collator of its examples (before prefix sharing)."""
     import datasets
-    from tqdm.auto import tqdm
-
-    from ..collator import PrefixSharingCollator
-    from ..config import DPOConfig, RewardConfig
-    from ..layout import shared_positions
-    from ..sampler import MultipackSampler
-    from ..stats import causal_pairs
 
     max_length = args.max_length or None
     bars = datasets.is_progress_bar_enabled()
     if len(dataset) <= 4096:
         datasets.disable_progress_bars()  # preprocessing takes seconds: no bars
-    from ..trl_internals import check_trl_internals
-
-    check_trl_internals("stats")  # TRL's dataset preparation, run without a trainer
     try:
-        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # TrainingArguments' deprecations: not the user's doing
-            common = dict(output_dir=tmp, max_length=max_length, use_cpu=True, bf16=False, report_to="none")
-            if args.trainer == "dpo":
-                import trl
-                from trl.trainer.dpo_trainer import DataCollatorForPreference
+        if args.trainer == "dpo":
+            from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-                config = DPOConfig(truncation_mode=args.truncation_mode, **common)
-                preparer = object.__new__(trl.DPOTrainer)  # TRL's own preprocessing, without a model
-                preparer._tokenizer = tokenizer
-                dataset = _preprocess(preparer, dataset, tokenizer, config)
-                base = DataCollatorForPreference(
-                    pad_token_id=tokenizer.pad_token_id, max_length=max_length, truncation_mode=args.truncation_mode
-                )
-            else:
-                from trl.trainer.reward_trainer import DataCollatorForPreference
+            dataset = _preprocess("DPOTrainer", dpo_dataset, dataset, tokenizer, max_length, args.truncation_mode)
+            base = DataCollatorForPreference(
+                pad_token_id=tokenizer.pad_token_id, max_length=max_length, truncation_mode=args.truncation_mode
+            )
+        else:
+            from trl.trainer.reward_trainer import DataCollatorForPreference
 
-                from ..ranked import RankedCollator, is_ranked_dataset
-                from ..reward_trainer import RewardTrainer
+            from ..ranked import RankedCollator, is_ranked_dataset
 
-                config = RewardConfig(**common)
-                ranked = is_ranked_dataset(dataset.column_names)
-                dataset = _preprocess(object.__new__(RewardTrainer), dataset, tokenizer, config)
-                base = (
-                    RankedCollator(tokenizer.pad_token_id)
-                    if ranked
-                    else DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)
-                )
+            ranked = is_ranked_dataset(dataset.column_names)
+            dataset = _preprocess("RewardTrainer", reward_dataset, dataset, tokenizer, max_length)
+            base = (
+                RankedCollator(tokenizer.pad_token_id)
+                if ranked
+                else DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)
+            )
     finally:
         if bars:
             datasets.enable_progress_bars()
-    # each example on its own: what every micro-batch saves (one that holds several pairs of a prompt saves more)
-    collator = PrefixSharingCollator(base, pad_token_id=tokenizer.pad_token_id, across_examples=False)
+    return dataset, base
 
-    prompt_lens, common_lens, shared_lens, rest_lens, shared_units, unshared_units = [], [], [], [], [], []
-    stock_tokens = shared_tokens = stock_attention = shared_attention = no_prefix = 0
-    stock_padded = shared_padded = 0  # positions of batches of `per_device_train_batch_size`, padding included
-    batch_size = args.per_device_train_batch_size
+
+@dataclass
+class _PreferenceCounts:
+    """What `_measure_preferences` counts: lengths per example (or per completion: `rest_lens`) and totals."""
+
+    prompt_lens: list[int] = field(default_factory=list)
+    common_lens: list[int] = field(default_factory=list)
+    shared_lens: list[int] = field(default_factory=list)
+    rest_lens: list[int] = field(default_factory=list)
+    shared_units: list[int] = field(default_factory=list)
+    unshared_units: list[int] = field(default_factory=list)
+    stock_tokens: int = 0
+    shared_tokens: int = 0
+    stock_attention: int = 0
+    shared_attention: int = 0
+    no_prefix: int = 0
+    stock_padded: int = 0  # positions of batches of `per_device_train_batch_size`, padding included
+    shared_padded: int = 0
+
+
+def _dpo_prompt_lengths(batch, lengths: list[int]) -> list[int] | None:
+    """DPO: the prompt of each row is what precedes its completion mask (after truncation). None for the reward
+    trainer, which tokenizes prompt and completion as one text."""
+    if "completion_mask" not in batch:
+        return None
+    completion = batch["completion_mask"].bool()
+    return [int(completion[r].int().argmax()) if completion[r].any() else lengths[r] for r in range(len(lengths))]
+
+
+def _count_batch(counts: _PreferenceCounts, batch, batch_size: int) -> None:
+    """Add one collated chunk of examples to `counts`."""
+    from ..examples import example_groups
+    from ..layout import shared_positions
+    from ..stats import causal_pairs
+
+    layout = batch["prefix_sharing"]
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    prompts = _dpo_prompt_lengths(batch, lengths)
+    per_doc = (layout.document_ids >= 0).sum(dim=1).tolist()
+    prefix = shared_positions(layout).sum(dim=1).tolist()  # positions every row of the example reads
+    groups = example_groups(batch)
+    for first in range(0, len(groups), batch_size):  # consecutive examples stand in for a shuffled batch
+        rows = [r for group in groups[first : first + batch_size] for r in group]
+        counts.stock_padded += len(rows) * max(lengths[r] for r in rows)
+        docs = per_doc[first : first + batch_size]
+        counts.shared_padded += len(docs) * max(docs)
+    for group, doc_len, p in zip(groups, per_doc, prefix, strict=True):
+        rows = [lengths[r] for r in group]
+        shared_p = p + 1 if p else 0  # the prefix plus the copy of its last token heading each branch
+        counts.shared_lens.append(shared_p)
+        counts.rest_lens.extend(n - shared_p for n in rows)
+        if prompts is not None:
+            prompt = prompts[group[0]]
+            counts.prompt_lens.append(prompt)
+            counts.common_lens.append(max(shared_p - prompt, 0))
+        counts.stock_tokens += sum(rows)
+        counts.shared_tokens += doc_len
+        counts.shared_units.append(doc_len)
+        counts.unshared_units.append(sum(rows))
+        counts.stock_attention += sum(causal_pairs(0, [n]) for n in rows)
+        counts.shared_attention += causal_pairs(p, [n - p for n in rows])
+        counts.no_prefix += p == 0
+
+
+def _measure_preferences(dataset, base, pad_token_id: int, batch_size: int) -> _PreferenceCounts:
+    """Collate the prepared examples with prefix sharing, each example on its own (what every micro-batch saves; one
+    that holds several pairs of a prompt saves more), and count."""
+    from tqdm.auto import tqdm
+
+    from ..collator import PrefixSharingCollator
+
+    collator = PrefixSharingCollator(base, pad_token_id=pad_token_id, across_examples=False)
+    counts = _PreferenceCounts()
     chunk = 256 // batch_size * batch_size or batch_size
     for start in tqdm(range(0, len(dataset), chunk), desc="Measuring", disable=len(dataset) <= 4 * chunk):
         examples = [dataset[i] for i in range(start, min(start + chunk, len(dataset)))]
-        batch = collator(examples)
-        layout = batch["prefix_sharing"]
-        lengths = batch["attention_mask"].sum(dim=1).tolist()
-        if "completion_mask" in batch:  # DPO: the prompt is what precedes the completion mask (after truncation)
-            completion = batch["completion_mask"].bool()
-            prompts = [
-                int(completion[r].int().argmax()) if completion[r].any() else lengths[r] for r in range(len(lengths))
-            ]
-        else:
-            prompts = None  # the reward trainer tokenizes prompt and completion as one text
-        per_doc = (layout["document_ids"] >= 0).sum(dim=1).tolist()
-        prefix = shared_positions(layout).sum(dim=1).tolist()  # positions every row of the example reads
-        groups = collator.example_groups(batch)
-        for first in range(0, len(groups), batch_size):  # consecutive examples stand in for a shuffled batch
-            rows = [r for group in groups[first : first + batch_size] for r in group]
-            stock_padded += len(rows) * max(lengths[r] for r in rows)
-            docs = per_doc[first : first + batch_size]
-            shared_padded += len(docs) * max(docs)
-        for group, doc_len, p in zip(groups, per_doc, prefix, strict=True):
-            rows = [lengths[r] for r in group]
-            shared_p = p + 1 if p else 0  # the prefix plus the copy of its last token heading each branch
-            shared_lens.append(shared_p)
-            rest_lens.extend(n - shared_p for n in rows)
-            if prompts is not None:
-                prompt = prompts[group[0]]
-                prompt_lens.append(prompt)
-                common_lens.append(max(shared_p - prompt, 0))
-            stock_tokens += sum(rows)
-            shared_tokens += doc_len
-            shared_units.append(doc_len)
-            unshared_units.append(sum(rows))
-            stock_attention += sum(causal_pairs(0, [n]) for n in rows)
-            shared_attention += causal_pairs(p, [n - p for n in rows])
-            no_prefix += p == 0
-    n = len(shared_lens)
-    if n == 0:
-        limit = f"longer than --max_length {max_length}" if max_length else "empty after tokenization"
-        raise StatsError(f"no examples left after TRL's preprocessing: all were {limit}; raise --max_length")
-    linear = stock_tokens / max(shared_tokens, 1)
-    attention = stock_attention / max(shared_attention, 1)
+        _count_batch(counts, collator(examples), batch_size)
+    return counts
 
-    def packing(units):
-        """Row length (the trainer's default `packing_length`), efficiency, positions per example."""
-        length = -(-batch_size * max(units) // 128) * 128
-        sampler = MultipackSampler(units, length)
-        return length, sampler.efficiency(), len(sampler) * length / n
 
-    shared_len, shared_eff, shared_packed = packing(shared_units)
-    unshared_len, unshared_eff, unshared_packed = packing(unshared_units)
+def _packing(units: list[int], batch_size: int, n: int) -> tuple[int, float, float]:
+    """Row length (the trainer's default `packing_length`), efficiency, positions per example."""
+    from ..sampler import MultipackSampler
+
+    length = -(-batch_size * max(units) // 128) * 128
+    sampler = MultipackSampler(units, length)
+    return length, sampler.efficiency(), len(sampler) * length / n
+
+
+def _print_preference_report(args, counts: _PreferenceCounts) -> None:
+    max_length, batch_size = args.max_length or None, args.per_device_train_batch_size
+    n = len(counts.shared_lens)
+    linear = counts.stock_tokens / max(counts.shared_tokens, 1)
+    attention = counts.stock_attention / max(counts.shared_attention, 1)
+    shared_len, shared_eff, shared_packed = _packing(counts.shared_units, batch_size, n)
+    unshared_len, unshared_eff, unshared_packed = _packing(counts.unshared_units, batch_size, n)
     median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
-    ratio = median(shared_lens) / max(median(rest_lens), 1)
+    ratio = median(counts.shared_lens) / max(median(counts.rest_lens), 1)
     if args.trainer == "dpo":
         limits = f"max_length={max_length}, truncation {args.truncation_mode}"
     else:
         limits = f"max_length={max_length}" + (": longer examples dropped" if max_length else "")
     width = 42
     print(f"Dataset {args.dataset_name} ({_count(n, 'example')} after TRL's preprocessing; {args.trainer}, {limits})")
-    if prompt_lens:
-        print(f"  {'prompt tokens:':<{width}}{_percentiles(prompt_lens)}")
+    if counts.prompt_lens:
+        print(f"  {'prompt tokens:':<{width}}{_percentiles(counts.prompt_lens)}")
     print(
-        f"  {'shared prefix tokens, computed once:':<{width}}{_percentiles(shared_lens)} "
+        f"  {'shared prefix tokens, computed once:':<{width}}{_percentiles(counts.shared_lens)} "
         "(the prompt + the common start of the completions)"
     )
-    if common_lens:
-        print(f"  {'common start of the completions:':<{width}}{_percentiles(common_lens)} (in the shared prefix)")
-    print(f"  {'each completion after the shared prefix:':<{width}}{_percentiles(rest_lens)} (tokens, not shared)")
+    if counts.common_lens:
+        print(
+            f"  {'common start of the completions:':<{width}}{_percentiles(counts.common_lens)} (in the shared prefix)"
+        )
     print(
-        f"  {'positions per example:':<{width}}stock {stock_tokens / n:.1f}, shared {shared_tokens / n:.1f} "
-        "(tokens, no padding)"
+        f"  {'each completion after the shared prefix:':<{width}}{_percentiles(counts.rest_lens)} (tokens, not shared)"
     )
     print(
-        f"  {f'with padding, batches of {batch_size}:':<{width}}stock {stock_padded / n:.1f}, "
-        f"shared {shared_padded / n:.1f}; packed rows: unshared {unshared_packed:.1f}, shared {shared_packed:.1f}"
+        f"  {'positions per example:':<{width}}stock {counts.stock_tokens / n:.1f}, "
+        f"shared {counts.shared_tokens / n:.1f} (tokens, no padding)"
     )
-    print(f"  {'examples with no shared prefix:':<{width}}{no_prefix:,}")
+    print(
+        f"  {f'with padding, batches of {batch_size}:':<{width}}stock {counts.stock_padded / n:.1f}, "
+        f"shared {counts.shared_padded / n:.1f}; packed rows: unshared {unshared_packed:.1f}, "
+        f"shared {shared_packed:.1f}"
+    )
+    print(f"  {'examples with no shared prefix:':<{width}}{counts.no_prefix:,}")
     print(f"  {f'packing, shared rows of {shared_len} tokens:':<{width}}{100 * shared_eff:.1f}% of row tokens used")
     print(
         f"  {f'packing, unshared rows of {unshared_len} tokens:':<{width}}{100 * unshared_eff:.1f}% of row tokens used"
@@ -582,6 +757,21 @@ def preference_report(dataset, tokenizer, args) -> None:
     for line in expected_speedup_lines(args.trainer, ratio, linear):
         print(line)
     print(f"  verdict: prefix sharing {_verdict(linear)} on this dataset.")
+
+
+def preference_report(dataset, tokenizer, args) -> None:
+    """The report on preference data (`--trainer dpo` or `reward`): prepared and collated as the trainer would."""
+    from ..trl_internals import check_trl_internals
+
+    check_trl_internals("stats")  # the preprocessing re-derived here is still TRL's (fingerprints of its methods)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    dataset, base = _prepared_preferences(dataset, tokenizer, args)
+    counts = _measure_preferences(dataset, base, tokenizer.pad_token_id, args.per_device_train_batch_size)
+    if not counts.shared_lens:
+        max_length = args.max_length or None
+        limit = f"longer than --max_length {max_length}" if max_length else "empty after tokenization"
+        raise StatsError(f"no examples left after TRL's preprocessing: all were {limit}; raise --max_length")
+    _print_preference_report(args, counts)
 
 
 # --------------------------------------------------------------------------------------------------- GRPO, RLOO
