@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from trl_prefix_sharing.layout import (
+    Layout,
     RowPolicy,
     build_layout,
     prompt_lengths_from_completion_mask,
@@ -233,3 +234,21 @@ def test_holes_in_the_attention_mask_are_refused():
     ids = torch.tensor([[1, 2, 3]])
     with pytest.raises(ValueError, match="one run"):
         build_layout(ids, torch.tensor([[1, 0, 1]]))
+
+
+def test_a_layout_travels_with_its_batch():
+    """The `Layout` in a batch moves with it: accelerate's `send_to_device` calls its `to`, which moves every tensor
+    (and a mask or vision inputs added later), and a `DataLoader` pins it."""
+    from accelerate.utils import send_to_device
+
+    ids, attn, cm = _stock([[1, 2, 3, 4], [1, 2, 3, 5, 6]], [2, 2])
+    layout = build_layout(ids, attn, prompt_lengths=prompt_lengths_from_completion_mask(attn, cm), check=False)
+    layout.vision = {"pixel_values": torch.ones(2, 3)}
+    moved = send_to_device({"input_ids": ids, "prefix_sharing": layout}, "meta")["prefix_sharing"]
+    assert isinstance(moved, Layout) and moved is not layout and moved.check is False
+    tensors = [getattr(moved, f.name) for f in dataclasses.fields(moved)] + [moved.vision["pixel_values"]]
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    assert len(tensors) == 6 and all(t.device.type == "meta" for t in tensors)
+    assert layout.input_ids.device.type == "cpu"  # the original is left as it was
+    assert moved.num_positions.device.type == "meta"
+    assert int(layout.num_positions) == int((layout.document_ids >= 0).sum()) == 7

@@ -122,6 +122,9 @@ class PrefixSharingSession:
         layout = inputs.get("prefix_sharing") if isinstance(inputs, Mapping) else None
         if not isinstance(layout, Layout):
             raise RuntimeError("Prefix sharing is on but the batch has no layout: was the data collator replaced?")
+        device = inputs["input_ids"].device
+        if layout.input_ids.device != device:  # a batch moved by something other than accelerate's `send_to_device`
+            layout = inputs["prefix_sharing"] = layout.to(device)
         self.attach()
         self.with_mask(layout)
         if layout.vision is None and has_vision_inputs(inputs):  # images once per pair, M-RoPE positions
