@@ -83,7 +83,7 @@ class PrefixSharingSession:
         #: a trainer whose TRL code calls its models without a layout sets this: `router(model, kwargs)` gives the
         #: layout of a fused call's rows, a finished output, or None (see `install_prefix_sharing_forward`)
         self.router = None
-        self.patches = ModelPatches(self.models, self.attn_implementation, fuse_lm_head, autocast, self._route)
+        self.patches = ModelPatches(self.models, fuse_lm_head, autocast, self._route)
         self._layouts = _LayoutCache()
 
     @property
@@ -92,8 +92,8 @@ class PrefixSharingSession:
         return RowPolicy(multiple=self.row_multiple)
 
     def attach(self) -> None:
-        """Patch the models (see `ModelPatches.attach`); idempotent."""
-        self.patches.attach()
+        """Patch the models for this session's kernel (see `ModelPatches.attach`); idempotent."""
+        self.patches.attach(self.attn_implementation)
 
     def detach(self) -> None:
         """Undo the patches (see `ModelPatches.detach`)."""
@@ -194,20 +194,19 @@ class ModelPatches:
 
     Args:
         models: the models to patch.
-        attn_implementation: the attention implementation they run the shared layout on.
         fuse_lm_head: add TRL's fused log-prob head first (see `PrefixSharingSession`).
         autocast: accelerate's autocast, for a forward accelerate already wrapped.
         route: the session's router (see `install_prefix_sharing_forward`).
     """
 
-    def __init__(self, models, attn_implementation: str, fuse_lm_head, autocast, route):
-        self.models, self.attn_implementation = models, attn_implementation
+    def __init__(self, models, fuse_lm_head, autocast, route):
+        self.models = models
         self.fuse_lm_head, self.autocast, self.route = fuse_lm_head, autocast, route
         self.attached = False
         self._switch = AttentionSwitch()
 
-    def attach(self) -> None:
-        """Patch the models: (TRL's fused log-prob head,) the attention implementation, the shared forward. The
+    def attach(self, attn_implementation: str) -> None:
+        """Patch the models: (TRL's fused log-prob head,) `attn_implementation`, the shared forward. The
         trainer attaches for the length of `train()`, `evaluate()` and `predict()`, and on first use by a direct call
         of a step; idempotent."""
         if self.attached:
@@ -222,7 +221,7 @@ class ModelPatches:
                     add_fused_lm_head(model, outputs=outputs)
                     mark_patched(model, "forward", _UNFUSED)
         for model in self.models:
-            self._switch.apply(model, self.attn_implementation)
+            self._switch.apply(model, attn_implementation)
             install_prefix_sharing_forward(model, autocast=self.autocast, route=self.route)
         self.attached = True
 

@@ -79,9 +79,10 @@ class _PatchedWhileRunning:
 
 
 class PrefixSharingMixin(_PatchedWhileRunning):
-    """Placed before TRL's trainer class (and before `PackingMixin`). A trainer
-    calls `_init_prefix_sharing(...)` before TRL's `__init__` and `_setup_prefix_sharing()` after it; the integration
-    object is then `self.sharing` (None while the trainer runs as stock TRL)."""
+    """Placed before TRL's trainer class (and after `PackingMixin`). A trainer calls `_init_prefix_sharing(...)` before
+    TRL's `__init__` and `_finish_prefix_sharing_init()` after it; its session is then `self.sharing` and its start-up
+    check `self.model_check` (both None while the trainer runs as stock TRL), and it calls `_startup_check(...)` on the
+    stock rows of a batch before it lays them out."""
 
     #: the config class with the prefix-sharing fields (set by each trainer)
     _config_class: type
