@@ -6,6 +6,7 @@ forward argument, so the recomputation under checkpointing and FSDP's unshard/re
 
 import argparse
 import copy
+import dataclasses
 import os
 import sys
 import warnings
@@ -60,8 +61,8 @@ def outputs(model, kind, batch, shared):
     """Per-pair summed completion log-probs (DPO) or rewards (reward model)."""
     kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     if shared:
-        layout = dict(batch["prefix_sharing"])
-        layout.attention_mask = build_attention_mask(layout, "sdpa", model.config)
+        layout = batch["prefix_sharing"]
+        layout = dataclasses.replace(layout, attention_mask=build_attention_mask(layout, "sdpa", model.config))
         kwargs["prefix_sharing"] = layout
     if kind == "dpo":
         labels = batch["input_ids"].masked_fill(~batch["completion_mask"].bool(), -100)
