@@ -111,7 +111,7 @@ class PrefixSharingSession:
         """`layout` with its attention mask in this session's kernel's form, and whether its forward checks it (built
         once per layout; the layout is returned)."""
         if layout.attention_mask is None:
-            layout.check = self.checks if self.checks is not None else layout.input_ids.device.type == "cpu"
+            layout.check = self._checks_on(layout.input_ids)
             layout.attention_mask = build_attention_mask(layout, self.attn_implementation, self.models[0].config)
         return layout
 
