@@ -128,7 +128,9 @@ class _SharedRowsModel:
         input_ids, attention_mask = kwargs["input_ids"], kwargs["attention_mask"]
         whole = self.source is not None and input_ids.shape[0] == self.source[0].shape[0]
         prompt_length = input_ids.shape[1] - self.logits_to_keep
-        self.trainer._startup_check(input_ids, attention_mask, prompt_lengths=attention_mask[:, :prompt_length].sum(1))
+        self.trainer._startup_check(
+            input_ids, attention_mask, prompt_lengths=lambda: attention_mask[:, :prompt_length].sum(1)
+        )
         layout = self.trainer.sharing.generated_layout(
             input_ids, attention_mask, prompt_length, source=self.source if whole else None
         )

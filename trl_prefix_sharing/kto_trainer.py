@@ -258,10 +258,11 @@ class KTOTrainer(PrefixSharingMixin, trl.KTOTrainer):
             return
         if self._is_vision_dataset:
             raise ValueError("Prefix sharing for KTO is text-only; train vision data with `prefix_sharing=False`.")
+        attention_mask = inputs["attention_mask"]
         self._startup_check(
             inputs["input_ids"],
-            inputs["attention_mask"],
-            prompt_lengths=prompt_lengths_from_completion_mask(inputs["attention_mask"], inputs["completion_mask"]),
+            attention_mask,
+            prompt_lengths=lambda: prompt_lengths_from_completion_mask(attention_mask, inputs["completion_mask"]),
         )
         self.sharing.attach()  # the routed calls reach the models through the shared forward
         self._shared_batch = shared = _SharedKTOBatch(self.sharing, inputs, stash_kl)

@@ -42,7 +42,10 @@ class PreferenceSharingMixin(PackingMixin, PrefixSharingMixin):
         """The start-up check on the batch's stock rows (first batch only), then its layout completed for the forward
         (see `PrefixSharingSession.prepare`)."""
         self._startup_check(
-            inputs["input_ids"], inputs["attention_mask"], prompt_lengths(inputs), examples=example_ids(inputs)
+            inputs["input_ids"],
+            inputs["attention_mask"],
+            prompt_lengths=lambda: prompt_lengths(inputs),
+            examples=lambda: example_ids(inputs),
         )
         return self.sharing.prepare(inputs)
 

@@ -174,8 +174,10 @@ class PrefixSharingMixin(_PatchedWhileRunning):
 
     def _startup_check(self, input_ids, attention_mask, prompt_lengths=None, examples=None) -> None:
         """The start-up check's phase (`StartupCheck`): once, on stock rows of the first batch, before anything of it
-        is laid out (`prompt_lengths` or `examples`: what the rows' prompts and examples are)."""
+        is laid out. `prompt_lengths` or `examples`: what the rows' prompts and examples are, each a tensor or a
+        function that makes it, called only while the check is pending (the steps after it pay nothing for them)."""
         if self.model_check is not None and self.model_check.pending:
+            prompt_lengths, examples = (value() if callable(value) else value for value in (prompt_lengths, examples))
             self.model_check.run(self.sharing, input_ids, attention_mask, prompt_lengths, examples)
 
     def _finish_prefix_sharing_init(self) -> None:
