@@ -72,8 +72,14 @@ class ConcatenatedSharingMixin(PrefixSharingMixin):
 
     def __init__(self, model=None, args=None, *more, **kwargs):
         """Exactly the arguments of the TRL trainer."""
-        processing_class = kwargs.get("processing_class", more[3] if len(more) > 3 else None)
-        self._init_prefix_sharing(model, args, processing_class, kwargs.get("peft_config"))
+        given = self._trl_arguments((model, args, *more), kwargs)
+        self._init_prefix_sharing(
+            model,
+            args,
+            given.get("processing_class"),
+            given.get("peft_config"),
+            {"train": given.get("train_dataset"), "eval": given.get("eval_dataset")},
+        )
         super().__init__(model, args, *more, **kwargs)
         self._finish_prefix_sharing_init()
         if self.prefix_sharing and not (self.args.bf16 or self.args.fp16):
@@ -108,6 +114,8 @@ class ConcatenatedSharingMixin(PrefixSharingMixin):
         score_padding = self.args.prefix_sharing_score_padding
         self._startup_check(input_ids, attention_mask, examples=examples)
         layout = self.sharing.layout(input_ids, attention_mask, examples=examples, score_padding=score_padding)
+        if self.model.training and torch.is_grad_enabled():
+            self._count_positions(layout.num_positions, attention_mask)
         # each column's next token (scored padding: every column, padding included, a placeholder for the last one;
         # else the columns that predict a real token)
         next_ids = (

@@ -68,7 +68,9 @@ class DPOTrainer(PreferenceSharingMixin, trl.DPOTrainer):
         quantization_config=None,
         peft_config=None,
     ):
-        self._init_prefix_sharing(model, args, processing_class, peft_config)
+        self._init_prefix_sharing(
+            model, args, processing_class, peft_config, datasets={"train": train_dataset, "eval": eval_dataset}
+        )
         if self._uses_layout:
             images = processing_class is None or isinstance(processing_class, ProcessorMixin)  # TRL's vision path
             check_dataset_columns(train_dataset, "train", *DPO_COLUMNS, allow_images=images)

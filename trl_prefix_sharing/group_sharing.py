@@ -13,8 +13,8 @@ Overrides, each calling TRL's own method (TRL's loss, advantage and metric code 
 
 - `_get_per_token_logps_and_entropies` (every pass) hands TRL's chunk loop a model whose call lays out its chunk
   (rows grouped by equal prompt columns) with its mask, and gathers the log-probs back to TRL's rows.
-- `compute_loss` tells the chunk loop which micro-batch it runs on (its layout is kept with its rows), and `log`
-  reads `num_shared_tokens`, counted on the device, once per logging step.
+- `compute_loss` tells the chunk loop which micro-batch it runs on (its layout is kept with its rows); the training
+  pass counts its positions (`num_shared_tokens`, see `PrefixSharingMixin`).
 - `_prepare_inputs` keeps the generations of a prompt in the same micro-batch: TRL shuffles the generation batch row
   by row (`shuffle_sequence_dict`) before splitting it into `steps_per_generation` micro-batches, so siblings would
   rarely meet. For the duration of TRL's `_prepare_inputs` that one function is `shuffle_keeping_groups`,
@@ -24,12 +24,7 @@ Overrides, each calling TRL's own method (TRL's loss, advantage and metric code 
 
 from __future__ import annotations
 
-import weakref
-
 import torch
-from transformers import TrainerCallback
-from transformers.trainer_callback import ExportableState
-from transformers.utils import logging
 
 from .layout import _COMPARE_CHUNK, pairwise_common_prefix
 from .sharing import PrefixSharingMixin
@@ -38,8 +33,6 @@ from .vision import vision_inputs_in
 
 
 __all__ = ["GroupSharingTrainerMixin", "shuffle_keeping_groups", "tie_like_stock"]
-
-logger = logging.get_logger(__name__)
 
 
 def shuffle_keeping_groups(batch: dict, group_key: str = "prompt_ids", mask_key: str = "prompt_mask") -> dict:
@@ -98,25 +91,6 @@ def tie_like_stock(entropies: torch.Tensor, input_ids: torch.Tensor, attention_m
     return entropies.gather(0, first)
 
 
-class _SharedPositionsState(TrainerCallback, ExportableState):
-    """`num_shared_tokens` kept in a checkpoint and resumed from it, as stock's `num_tokens` is (in the trainer
-    state)."""
-
-    def __init__(self, trainer):
-        self._trainer = weakref.ref(trainer)
-
-    def state(self) -> dict:
-        trainer = self._trainer()
-        total = None if trainer is None else trainer._shared_positions
-        return {"args": {}, "attributes": {"shared_positions": 0 if total is None else int(total)}}
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        saved = state.stateful_callbacks.get(type(self).__name__)
-        trainer = self._trainer()
-        if state.global_step > 0 and isinstance(saved, dict) and trainer is not None:  # resumed from a checkpoint
-            trainer._shared_positions = saved["attributes"]["shared_positions"]
-
-
 class _SharedRowsModel:
     """What TRL's chunk loop calls as `model(**inputs, labels=..., fused_lm_head=True)`: the model, on the
     prefix-shared layout of the chunk's rows (laid out here, with its mask, once per chunk)."""
@@ -135,7 +109,9 @@ class _SharedRowsModel:
             input_ids, attention_mask, prompt_length, source=self.source if whole else None
         )
         if torch.is_grad_enabled():
-            self.trainer._count_positions(attention_mask, layout)
+            trainer = self.trainer
+            note = f" (groups of {trainer.num_generations} generations, {input_ids.shape[0]} rows)"
+            trainer._count_positions(layout.num_positions, attention_mask, note=note)
         return self.model(**kwargs, prefix_sharing=layout)
 
 
@@ -154,14 +130,12 @@ class GroupSharingTrainerMixin(PrefixSharingMixin):
         **kwargs,
     ):
         """Exactly the arguments of TRL's trainer."""
-        self._init_prefix_sharing(model, args, processing_class, kwargs.get("peft_config"))
-        self._shared_positions = None  # running total on the device, read when logging
-        self._sharing_logged = False
+        self._init_prefix_sharing(
+            model, args, processing_class, kwargs.get("peft_config"), {"train": train_dataset, "eval": eval_dataset}
+        )
         self._loss_inputs = None
         super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class, *more, **kwargs)
         self._finish_prefix_sharing_init()
-        if self.prefix_sharing:
-            self.add_callback(_SharedPositionsState(self))
 
     @property
     def _trl_module(self) -> str:
@@ -205,24 +179,3 @@ class GroupSharingTrainerMixin(PrefixSharingMixin):
             return super()._prepare_inputs(generation_batch)
         with replaced_function(self._trl_module, "shuffle_sequence_dict", shuffle_keeping_groups):
             return super()._prepare_inputs(generation_batch)
-
-    # ----------------------------------------------------------------------------------------------- metrics
-    def _count_positions(self, attention_mask, layout) -> None:
-        """Token positions the training forward computes (all ranks), kept on the device: `num_shared_tokens` when
-        logging, and a log line comparing them with stock's after the first step."""
-        counts = torch.stack([attention_mask.sum(), layout.num_positions]).to(attention_mask.device)
-        counts = self.accelerator.gather_for_metrics(counts.unsqueeze(0)).sum(0)
-        self._shared_positions = counts[1] if self._shared_positions is None else self._shared_positions + counts[1]
-        if not self._sharing_logged and self.args.should_log:
-            stock, shared = counts.tolist()  # once
-            logger.warning(
-                f"Prefix sharing: the first training batch computes {shared} token positions where stock TRL computes "
-                f"{stock} ({stock / max(shared, 1):.2f}x fewer; groups of {self.num_generations} generations, "
-                f"{self.args.per_device_train_batch_size} rows per micro-batch)."
-            )
-            self._sharing_logged = True
-
-    def log(self, logs, start_time=None):
-        if self._shared_positions is not None and self.model.training:
-            self._metrics["train"]["num_shared_tokens"] = [int(self._shared_positions)]
-        return super().log(logs, start_time)

@@ -121,6 +121,7 @@ class _SharedKTOBatch:
             self.kl = _Rows(batch["KL_input_ids"], batch["KL_attention_mask"], batch["KL_completion_mask"])
         self.stash_kl = stash_kl  # a main call without gradients runs both (TRL's `compute_ref_log_probs`)
         self._layouts: dict = {}
+        self.policy_merged = False  # whether the policy's gradient pass ran the KL rows with the main rows
         self.pending: dict = {}  # model -> placeholder KL log-probs the next main call fills in
         self.answers: dict = {}  # model -> KL output of a merged pass, for the next KL call
 
@@ -155,6 +156,15 @@ class _SharedKTOBatch:
                 )
             )
         return self._layouts["merged_rows"]
+
+    def policy_positions(self, calculate_kl: bool) -> tuple[torch.Tensor, ...]:
+        """What the policy's gradient pass computed (its layouts' positions) and the attention masks of the stock rows
+        it stands for (the main rows, and the KL rows when the KL term is computed)."""
+        if not (calculate_kl and self.kl is not None):
+            return self._layout("main").num_positions, self.main.attention_mask
+        names = ("merged",) if self.policy_merged else ("main", "kl")
+        positions = sum(self._layout(name).num_positions for name in names)
+        return positions, self.main.attention_mask, self.kl.attention_mask
 
     def route(self, model, kwargs: dict):
         """The layout of a fused call's rows, or its part of a merged pass (see the module docstring)."""
@@ -216,6 +226,7 @@ class KTOTrainer(PrefixSharingMixin, trl.KTOTrainer):
     equal stock TRL's to float precision. Text data (plain or conversational)."""
 
     _config_class = KTOConfig
+    _resumes_shared_positions = False  # as TRL's KTO trainer restarts `num_tokens`
 
     def __init__(
         self,
@@ -232,7 +243,9 @@ class KTOTrainer(PrefixSharingMixin, trl.KTOTrainer):
         quantization_config=None,
         peft_config=None,
     ):
-        self._init_prefix_sharing(model, args, processing_class, peft_config)
+        self._init_prefix_sharing(
+            model, args, processing_class, peft_config, datasets={"train": train_dataset, "eval": eval_dataset}
+        )
         self._shared_batch = None
         super().__init__(
             model=model,
@@ -284,7 +297,10 @@ class KTOTrainer(PrefixSharingMixin, trl.KTOTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         with self._routing(inputs):
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            if self._shared_batch is not None and self.model.training:
+                self._count_positions(*self._shared_batch.policy_positions(self.calculate_KL))
+        return result
 
     def compute_ref_log_probs(self, model, inputs):
         self._setup_prefix_sharing()  # TRL precomputes from inside `__init__`
@@ -293,7 +309,12 @@ class KTOTrainer(PrefixSharingMixin, trl.KTOTrainer):
 
     def _compute_kl_logps(self, model, batch):
         shared = self._shared_batch
-        if shared is None or not self.calculate_KL or not self._merge_kl(shared):
+        if shared is None or not self.calculate_KL:
+            return super()._compute_kl_logps(model, batch)
+        merge = self._merge_kl(shared)
+        if torch.is_grad_enabled():
+            shared.policy_merged = merge
+        if not merge:
             return super()._compute_kl_logps(model, batch)  # routed to the KL rows' own layout
         return shared.defer_kl(unwrap_model(model))
 

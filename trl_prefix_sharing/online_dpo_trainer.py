@@ -54,8 +54,14 @@ class OnlineDPOTrainer(PrefixSharingMixin, _TRLOnlineDPOTrainer):
 
     def __init__(self, model, ref_model=None, reward_funcs=None, args=None, *more, **kwargs):
         """Exactly the arguments of TRL's experimental `OnlineDPOTrainer`."""
-        processing_class = kwargs.get("processing_class", more[3] if len(more) > 3 else None)
-        self._init_prefix_sharing(model, args, processing_class, kwargs.get("peft_config"))
+        given = self._trl_arguments((model, ref_model, reward_funcs, args, *more), kwargs)
+        self._init_prefix_sharing(
+            model,
+            args,
+            given.get("processing_class"),
+            given.get("peft_config"),
+            {"train": given.get("train_dataset"), "eval": given.get("eval_dataset")},
+        )
         super().__init__(model, ref_model, reward_funcs, args, *more, **kwargs)
         self._finish_prefix_sharing_init()
 
@@ -84,6 +90,8 @@ class OnlineDPOTrainer(PrefixSharingMixin, _TRLOnlineDPOTrainer):
         layout = self.sharing.generated_layout(
             input_ids, attention_mask, prompt_length, score_padding=True, source=source
         )
+        if self.model.training and torch.is_grad_enabled():  # the policy's gradient pass
+            self._count_positions(layout.num_positions, attention_mask)
         if stock_logits_dtype(model) != torch.float32:
             # stock's log-softmax runs in half precision: the same op on the same logits, at the completion columns
             logits = model(

@@ -8,7 +8,6 @@ runs unchanged. Packing (`packing.py`) composes with it.
 
 from __future__ import annotations
 
-import torch
 from datasets import Dataset
 from transformers.utils import logging
 
@@ -26,6 +25,8 @@ logger = logging.get_logger(__name__)
 
 class PreferenceSharingMixin(PackingMixin, PrefixSharingMixin):
     """Prefix sharing and packing for a preference trainer (DPO, reward); see the module docstring."""
+
+    _resumes_shared_positions = False  # as TRL's DPO and reward trainers restart `num_tokens`
 
     def _setup_collator(self) -> None:
         """The stock collator wrapped to add each batch's layout: unpacked rows as the session rounds them, or packed
@@ -52,22 +53,15 @@ class PreferenceSharingMixin(PackingMixin, PrefixSharingMixin):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.sharing is not None:
             layout = self._prepare_layout(inputs)
-            if self.model.training:  # token positions the training forwards really computed, on every rank, kept on
-                shared = self.accelerator.gather_for_metrics(layout.num_positions).sum()  # the device
-                self._total_shared_tokens = self._total_shared_tokens + shared
+            if self.model.training:  # the dataset's line was logged at `train()`
+                self._count_positions(layout.num_positions)
         return super().compute_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )
 
-    def _init_prefix_sharing(self, model, args, processing_class, peft_config=None) -> None:
-        super()._init_prefix_sharing(model, args, processing_class, peft_config)
-        self._total_shared_tokens = 0  # a device tensor once training, read when logging
+    def _init_prefix_sharing(self, model, args, processing_class, peft_config=None, datasets=None) -> None:
+        super()._init_prefix_sharing(model, args, processing_class, peft_config, datasets)
         self.sharing_stats = None
-
-    def log(self, logs, start_time=None):
-        if self.sharing is not None and self.model.training and isinstance(self._total_shared_tokens, torch.Tensor):
-            self._metrics["train"]["num_shared_tokens"] = [int(self._total_shared_tokens)]
-        return super().log(logs, start_time)
 
     def train(self, *args, **kwargs):
         if self.prefix_sharing and self.sharing_stats is None and isinstance(self.train_dataset, Dataset):

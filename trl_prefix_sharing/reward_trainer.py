@@ -63,7 +63,9 @@ class RewardTrainer(PreferenceSharingMixin, trl.RewardTrainer):
         quantization_config=None,
         peft_config=None,
     ):
-        self._init_prefix_sharing(model, args, processing_class, peft_config)
+        self._init_prefix_sharing(
+            model, args, processing_class, peft_config, datasets={"train": train_dataset, "eval": eval_dataset}
+        )
         self._ranked = train_dataset is not None and is_ranked_dataset(get_dataset_column_names(train_dataset))
         evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]
         for name, dataset in evals:

@@ -11,9 +11,13 @@ on the same layout.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
 
+import torch
 from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+from transformers.utils import logging
 
 from .collator import PrefixSharingCollator
 from .config import warn_if_not_our_config
@@ -28,9 +32,12 @@ from .support import (
     check_forward_in_place,
     check_model_and_processor,
 )
+from .validation import check_not_empty, check_prompt_column, check_rows_left, dataset_sizes
 
 
 __all__ = ["PrefixSharingMixin"]
+
+logger = logging.get_logger(__name__)
 
 
 class _ForwardInPlace(TrainerCallback):
@@ -44,6 +51,25 @@ class _ForwardInPlace(TrainerCallback):
         trainer = self._trainer()
         if trainer is not None and trainer.sharing is not None:
             check_forward_in_place(trainer.sharing.models, getattr(args, "use_liger_kernel", False))
+
+
+class _SharedPositionsState(TrainerCallback, ExportableState):
+    """`num_shared_tokens` kept in a checkpoint and resumed from it, as stock GRPO's and RLOO's `num_tokens` is (in
+    the trainer state)."""
+
+    def __init__(self, trainer):
+        self._trainer = weakref.ref(trainer)
+
+    def state(self) -> dict:
+        trainer = self._trainer()
+        total = None if trainer is None else trainer._shared_positions
+        return {"args": {}, "attributes": {"shared_positions": 0 if total is None else int(total)}}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        saved = state.stateful_callbacks.get(type(self).__name__)
+        trainer = self._trainer()
+        if state.global_step > 0 and isinstance(saved, dict) and trainer is not None:  # resumed from a checkpoint
+            trainer._shared_positions = saved["attributes"]["shared_positions"]
 
 
 class _PatchedWhileRunning:
@@ -78,7 +104,65 @@ class _PatchedWhileRunning:
             return super().predict(*args, **kwargs)
 
 
-class PrefixSharingMixin(_PatchedWhileRunning):
+class _PositionsLogged:
+    """What sharing saves, shown as the run goes: `num_shared_tokens` in the logs (the token positions the policy's
+    training forwards computed, a running total kept on the device and read once per logging step) and, for trainers
+    that lay out their rows in the step, a line after the first training forward comparing its positions with what
+    stock TRL computes on the same rows. Needs `self._shared_positions` (None) and `self._sharing_logged` (False) from
+    the trainer's `__init__`."""
+
+    def _count_positions(self, positions: torch.Tensor, *stock_masks: torch.Tensor, note: str = "") -> None:
+        """Add `positions` (0-d, on the device: what a training forward of the policy computed), summed over the
+        processes. With the attention masks of the stock rows that forward stands for, the first call also logs what
+        stock TRL computes on them (one host read, once); `note` ends that line."""
+        counts = [positions.reshape(())]
+        first = bool(stock_masks) and not self._sharing_logged
+        if first:
+            stock = sum(mask.numel() for mask in stock_masks)
+            counts += [torch.full_like(counts[0], stock), sum(mask.sum() for mask in stock_masks).to(counts[0])]
+        counts = self.accelerator.gather_for_metrics(torch.stack(counts).unsqueeze(0)).sum(0)
+        total = self._shared_positions
+        self._shared_positions = counts[0] if total is None else total + counts[0]
+        if first:
+            self._sharing_logged = True
+            if self.args.should_log:
+                shared, stock, tokens = counts.tolist()
+                logger.warning(
+                    f"Prefix sharing: the first training forward computes {shared:,} token positions where stock TRL "
+                    f"computes {stock:,} ({tokens:,} tokens and {stock - tokens:,} padding): "
+                    f"{stock / max(shared, 1):.2f}x fewer{note}."
+                )
+
+    def log(self, logs, start_time=None):
+        if self.sharing is not None and self._shared_positions is not None and self.model.training:
+            logs = {**logs, "num_shared_tokens": int(self._shared_positions)}
+        return super().log(logs, start_time)
+
+
+class _ArgumentsChecked:
+    """The trainer's arguments read by name and its datasets checked: before TRL's `__init__` (empty, a misspelt
+    prompt column) and after it (rows left by TRL's preprocessing). Needs `self._dataset_sizes` ({})."""
+
+    def _check_datasets(self, datasets: dict) -> None:
+        """Clear errors for an empty dataset and (with prefix sharing) a misspelt prompt column; the row counts kept
+        for `_finish_prefix_sharing_init`, which checks that TRL's preprocessing left some."""
+        for name, dataset in datasets.items():
+            check_not_empty(dataset, name)
+            if self.prefix_sharing:
+                check_prompt_column(dataset, name)
+        self._dataset_sizes = dataset_sizes(datasets)
+
+    def _trl_arguments(self, args: tuple, kwargs: dict) -> dict:
+        """The arguments a trainer's `__init__` got, by the names of TRL's `__init__` (defaults left out)."""
+        trl_class = next(cls for cls in type(self).__mro__ if cls.__module__.startswith("trl."))
+        return inspect.signature(trl_class.__init__).bind(self, *args, **kwargs).arguments
+
+    def _check_rows_left(self) -> None:
+        datasets = {"train": self.train_dataset, "eval": self.eval_dataset}
+        check_rows_left(self._dataset_sizes, datasets, type(self).__name__, getattr(self.args, "max_length", None))
+
+
+class PrefixSharingMixin(_ArgumentsChecked, _PositionsLogged, _PatchedWhileRunning):
     """Placed before TRL's trainer class (and after `PackingMixin`). A trainer calls `_init_prefix_sharing(...)` before
     TRL's `__init__` and `_finish_prefix_sharing_init()` after it; its session is then `self.sharing` and its start-up
     check `self.model_check` (both None while the trainer runs as stock TRL), and it calls `_startup_check(...)` on the
@@ -88,17 +172,23 @@ class PrefixSharingMixin(_PatchedWhileRunning):
     _config_class: type
     #: read by the configs: a trainer without it (a stock TRL class) given `prefix_sharing=True` is an error
     _reads_prefix_sharing_config = True
+    #: whether `num_shared_tokens` resumes from a checkpoint (True, as GRPO's and RLOO's `num_tokens` does) or restarts
+    #: (as the DPO, reward and KTO trainers restart their `num_tokens`)
+    _resumes_shared_positions = True
     #: whether the trainer lays out images for prefix sharing (DPO: yes; reward, GRPO, RLOO, online DPO: no)
     _supports_vision = False
     #: whether the models get TRL's fused log-prob head from this package (trainers that score full logits in stock)
     _fuse_lm_head = False
 
-    def _init_prefix_sharing(self, model, args, processing_class, peft_config=None) -> None:
-        """Before TRL's `__init__`: read the options and check what can be checked (the config class, the model and
-        the processor)."""
+    def _init_prefix_sharing(self, model, args, processing_class, peft_config=None, datasets=None) -> None:
+        """Before TRL's `__init__`: read the options and check what can be checked (the config class, the model, the
+        processor and the `datasets`, {"train": ..., "eval": ...})."""
         self.sharing = None
         self.model_check = None
         self._sharing_scope_depth = 0
+        self._shared_positions = None
+        self._sharing_logged = False
+        self._dataset_sizes = {}
         warn_if_not_our_config(args, self._config_class, type(self).__name__)
         warn_if_fewer_processes_than_asked()
         self._prefix_sharing = bool(getattr(args, "prefix_sharing", False))
@@ -116,6 +206,7 @@ class PrefixSharingMixin(_PatchedWhileRunning):
                 getattr(args, "trust_remote_code", False),
                 self._supports_vision,
             )
+            self._check_datasets(datasets or {})
 
     def _init_packing(self, args) -> None:
         """Packing's options (see `PackingMixin`); trainers without packing have none."""
@@ -171,6 +262,8 @@ class PrefixSharingMixin(_PatchedWhileRunning):
         )
         self._setup_collator()
         self.add_callback(_ForwardInPlace(self))
+        if self.prefix_sharing and self._resumes_shared_positions:
+            self.add_callback(_SharedPositionsState(self))
 
     def _startup_check(self, input_ids, attention_mask, prompt_lengths=None, examples=None) -> None:
         """The start-up check's phase (`StartupCheck`): once, on stock rows of the first batch, before anything of it
@@ -186,6 +279,7 @@ class PrefixSharingMixin(_PatchedWhileRunning):
         self._setup_prefix_sharing()
         if self.sharing is not None:
             self.sharing.detach()
+        self._check_rows_left()
 
     def _setup_collator(self) -> None:
         """Preference trainers wrap their collator (see `PreferenceSharingMixin`); online trainers lay out in the
@@ -201,6 +295,7 @@ class PrefixSharingMixin(_PatchedWhileRunning):
             self.data_collator = self.data_collator.base_collator
         self._prefix_sharing = False
         self._packing = False
+        self._shared_positions = None
 
     def end(self) -> None:
         """Finish the trackers and destroy the process group, as transformers' `Trainer.end()` (TRL's scripts call it

@@ -124,8 +124,9 @@ def _concatenated_trainer_internals(owner: str, fingerprint_: str) -> tuple[Inte
     """What `concatenated.ConcatenatedSharingMixin` uses of TRL's ORPO or CPO trainer class."""
     return (
         Internal(owner, "concatenated_forward", "override", ("self", "model", "batch"), fingerprint=fingerprint_),
-        # the constructor's positional parameters, read by position (`processing_class`)
+        # the constructor's parameters, read by their names (the datasets, `processing_class`, `peft_config`)
         Internal(owner, "__init__", "override", _CONCATENATED_INIT),
+        Internal(owner, "log", "override", ("self", "logs", "start_time")),  # `num_shared_tokens`
         Internal(owner, "concatenated_inputs", "call", ("batch", "is_encoder_decoder", "padding_value", "device")),
         Internal(owner, "is_encoder_decoder", "read", attribute=True),
         Internal(owner, "aux_loss_enabled", "read", attribute=True),
@@ -158,7 +159,6 @@ def _group_trainer_internals(owner: str) -> tuple[Internal, ...]:
         Internal(owner, "compute_loss", "override", ("self", "model", "inputs")),
         Internal(owner, "log", "override", ("self", "logs", "start_time")),
         Internal(module, "shuffle_sequence_dict", "replace", ("seq_dict",)),
-        Internal(owner, "_metrics", "write", attribute=True),
     )
 
 
@@ -213,7 +213,8 @@ INTERNALS: dict[str, tuple[Internal, ...]] = {
             ("self", "model", "prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "vision_inputs"),
             fingerprint="78000d9a5e87ab8f",
         ),
-        Internal(_ONLINE_DPO, "__init__", "override", _ONLINE_DPO_INIT),  # read by position (`processing_class`)
+        Internal(_ONLINE_DPO, "__init__", "override", _ONLINE_DPO_INIT),  # read by name (datasets, processor)
+        Internal(_ONLINE_DPO, "log", "override", ("self", "logs", "start_time")),  # `num_shared_tokens`
         Internal(_ONLINE_DPO, "max_length", "read", attribute=True),
     ),
     "kto": (

@@ -3,6 +3,7 @@ instead of an exception deep inside `datasets.map` or a silently wrong number.""
 
 from __future__ import annotations
 
+import difflib
 import math
 
 from datasets import Dataset, IterableDataset
@@ -10,7 +11,15 @@ from datasets import Dataset, IterableDataset
 from .vision import VISION_MODEL_TYPES
 
 
-__all__ = ["check_dataset_columns", "validate_preference_rows"]
+__all__ = [
+    "check_dataset_columns",
+    "check_not_empty",
+    "check_prompt_column",
+    "check_rows_left",
+    "dataset_columns",
+    "dataset_sizes",
+    "validate_preference_rows",
+]
 
 _TEXT_FIELDS = ("prompt", "chosen", "rejected")
 #: columns of pre-tokenized data (TRL's reward trainer renames its older `*_input_ids` names itself)
@@ -109,11 +118,8 @@ def check_dataset_columns(
         for key, value in dataset.items():
             check_dataset_columns(value, f"{name}[{key!r}]", accepted, describe, allow_images)
         return
-    if isinstance(dataset, Dataset):
-        columns = set(dataset.column_names)
-    elif isinstance(dataset, IterableDataset):
-        columns = set(next(iter(dataset)).keys())
-    else:
+    columns = dataset_columns(dataset, name)
+    if columns is None:
         return  # TRL raises its own error for other types
     if ("image" in columns or "images" in columns) and not allow_images:
         raise ValueError(
@@ -124,3 +130,82 @@ def check_dataset_columns(
     if not any(required <= columns for required in accepted):
         raise ValueError(f"The {name} dataset has columns {sorted(columns)}; {describe}")
     validate_preference_rows(dataset, name)
+
+
+#: how alike a column's name must be to "prompt" to be taken for a misspelling of it (difflib's ratio: "promt" 0.91,
+#: "prompts" 0.92, "Prompt" 1.0; "prompt_text" 0.71 and "question" 0.29 are other columns)
+NEAR_MATCH = 0.8
+#: columns TRL itself reads that look like "prompt" (pre-tokenized ids)
+_PROMPT_LIKE = {"prompt_ids", "prompt_input_ids"}
+
+
+def check_not_empty(dataset, name: str) -> None:
+    """A clear error for a dataset with no rows (TRL's preprocessing would end in a bare `StopIteration`)."""
+    if isinstance(dataset, dict):
+        for key, value in dataset.items():
+            check_not_empty(value, f"{name}[{key!r}]")
+        return
+    dataset_columns(dataset, name)
+
+
+def dataset_columns(dataset, name: str) -> set[str] | None:
+    """The columns of a map-style or streamed dataset (None for other types); an error naming the dataset if it has
+    no rows."""
+    if isinstance(dataset, Dataset):
+        if len(dataset) == 0:
+            raise ValueError(f"The {name} dataset is empty (0 rows); give it at least one example.")
+        return set(dataset.column_names)
+    if isinstance(dataset, IterableDataset):
+        first = next(iter(dataset), None)
+        if first is None:
+            raise ValueError(f"The streamed {name} dataset yields no rows; give it at least one example.")
+        return set(first)
+    return None
+
+
+def check_prompt_column(dataset, name: str, prompt: str = "prompt") -> None:
+    """An error when the dataset has no `prompt` column but one whose name is a near match of it (`promt`, `prompts`,
+    `Prompt`): prefix sharing and TRL read the prompt from that column only, so a misspelt one would be ignored and
+    nothing shared. Renaming it, or removing it, is the way out."""
+    if isinstance(dataset, dict):
+        for key, value in dataset.items():
+            check_prompt_column(value, f"{name}[{key!r}]", prompt)
+        return
+    columns = dataset_columns(dataset, name)
+    if columns is None or prompt in columns:
+        return
+    near = sorted(
+        (column for column in columns - _PROMPT_LIKE if _likeness(column, prompt) >= NEAR_MATCH),
+        key=lambda column: -_likeness(column, prompt),
+    )
+    if near:
+        column = near[0]
+        raise ValueError(
+            f"The {name} dataset has no {prompt!r} column but has {column!r}: TRL and prefix sharing read the prompt "
+            f"from {prompt!r} only, so {column!r} would be ignored and no prompt shared. Rename it "
+            f"(`dataset.rename_column({column!r}, {prompt!r})`), or remove it (`dataset.remove_columns({column!r})`) "
+            "if it is not the prompt."
+        )
+
+
+def _likeness(column: str, prompt: str) -> float:
+    return difflib.SequenceMatcher(None, column.lower(), prompt).ratio()
+
+
+def dataset_sizes(datasets: dict) -> dict[str, int]:
+    """The row count of each map-style dataset of `datasets` ({name: dataset}; others are left out)."""
+    return {name: len(dataset) for name, dataset in datasets.items() if isinstance(dataset, Dataset)}
+
+
+def check_rows_left(sizes: dict[str, int], datasets: dict, trainer_name: str, max_length) -> None:
+    """An error when TRL's preprocessing dropped every row of a dataset that had some (`sizes`: the counts before,
+    `datasets`: the prepared ones): TRL's DPO, reward and KTO trainers drop the examples that do not fit
+    `max_length`."""
+    for name, before in sizes.items():
+        dataset = datasets.get(name)
+        if before and isinstance(dataset, Dataset) and len(dataset) == 0:
+            raise ValueError(
+                f"{trainer_name}'s preprocessing left none of the {before:,} examples of the {name} dataset: it drops "
+                f"the examples that do not fit `max_length` ({max_length}). Raise `max_length`, or shorten the "
+                "prompts."
+            )
