@@ -81,7 +81,8 @@ def test_stats_reports_whether_it_pays(workspace):
     from trl_prefix_sharing.cli.stats import measured_speedups
 
     for mode, record in measured_speedups().items():  # the expectation quotes every recorded benchmark
-        assert f"{mode.upper()} ({record['device']}; " in proc.stdout and "share of ideal measured" in proc.stdout
+        assert f"{mode.upper()} ({record['device']}; " in proc.stdout
+        assert "(the ideal with padding x " in proc.stdout and "the share of it measured on the" in proc.stdout
 
 
 def _line(stdout, label):
@@ -245,7 +246,10 @@ def test_stats_console_script_errors_are_one_clean_line(workspace, args, message
         ),
         (["--dataset_name", "no_rejected.jsonl"], "needs 'chosen' and 'rejected'"),
         (["--dataset_name", "prompts.jsonl"], "needs 'chosen' and 'rejected'"),
-        (["--dataset_name", "prompts.jsonl"], "pass --trainer grpo or rloo"),
+        (["--dataset_name", "prompts.jsonl"], "pass --trainer grpo, rloo or online_dpo"),
+        (["--dataset_name", "prompts.jsonl", "--trainer", "kto"], "needs 'prompt', 'completion' and 'label'"),
+        (["--dataset_name", "prompts.jsonl", "--trainer", "orpo"], "needs 'chosen' and 'rejected'"),
+        (["--dataset_name", "unpaired.jsonl"], "for unpaired data (prompt, completion, label) pass --trainer kto"),
         (["--dataset_name", "no_prompt.jsonl", "--trainer", "grpo"], "needs a 'prompt' column"),
         (["--dataset_name", "no_prompt.jsonl", "--trainer", "rloo"], "for preference data pass --trainer dpo"),
         (["--dataset_name", "prefs.jsonl", "--model_name_or_path", "prefs.jsonl"], "it is a file, not a directory"),
@@ -260,6 +264,20 @@ def test_stats_console_script_errors_are_one_clean_line(workspace, args, message
         (["--dataset_name", "prefs.jsonl", "--trainer", "reward", "--truncation_mode", "keep_end"], "dpo only"),
         (["--dataset_name", "prefs.jsonl", "--trainer", "reward", "--max_length", "3"], "no examples left"),
         (["--model_name_or_path", "tok"], "the following arguments are required: --dataset_name"),
+        (["--dataset_name", "prompts.jsonl", "--trainer", "online_dpo", "--num_generations", "4"], "generates 2"),
+        (["--dataset_name", "prompts.jsonl", "--trainer", "online_dpo", "--max_completion_length", "9"], "--max_new_"),
+        (["--dataset_name", "prompts.jsonl", "--trainer", "grpo", "--max_new_tokens", "9"], "--max_completion_length"),
+        (
+            ["--dataset_name", "prompts.jsonl", "--trainer", "online_dpo", "--completion_length", "65"],
+            "is longer than",
+        ),
+        (["--dataset_name", "prefs.jsonl", "--trainer", "kto", "--truncation_mode", "keep_end"], "keeps the start"),
+        (["--dataset_name", "prefs.jsonl", "--trainer", "orpo", "--truncation_mode", "keep_end"], "never the prompt"),
+        (["--dataset_name", "prefs.jsonl", "--prefix_sharing_score_padding", "false"], "--trainer orpo or cpo only"),
+        (["--dataset_name", "prefs.jsonl", "--trainer", "cpo", "--prefix_sharing_merge_kl", "true"], "kto only"),
+        (["--dataset_name", "prefs.jsonl", "--trainer", "kto", "--max_new_tokens", "9"], "pass --trainer online_dpo"),
+        (["--dataset_name", "prefs.jsonl", "--trainer", "kto", "--max_length", "3"], "no examples left"),
+        (["--dataset_name", "prompts.jsonl", "--trainer", "online_dpo", "--max_length", "0"], "is a number of tokens"),
     ],
 )
 def test_stats_user_mistakes_are_one_clean_line(workspace, tokenizer, capsys, monkeypatch, args, message):
@@ -270,6 +288,7 @@ def test_stats_user_mistakes_are_one_clean_line(workspace, tokenizer, capsys, mo
     (workspace / "broken.jsonl").write_text('{"prompt": "w1", broken\n')
     _write_jsonl(workspace / "no_prompt.jsonl", [{"chosen": "w1 w2", "rejected": "w1 w3"}])
     _write_jsonl(workspace / "no_rejected.jsonl", [{"prompt": "w1", "chosen": "w2"}])
+    _write_jsonl(workspace / "unpaired.jsonl", [{"prompt": "w1", "completion": " w2", "label": True}])
     if not (workspace / "no_template").exists():
         import copy
 
@@ -480,3 +499,147 @@ def test_stats_dpo_warns_once_of_a_prompt_end_counted_as_completion(tokenizer, m
     notes = [str(w.message) for w in caught if "is counted as completion" in str(w.message)]
     assert len(notes) == 1 and "prompt's end '<unk>'" in notes[0]
     assert [len(ids) for ids in prepared["prompt_ids"]] == [1, 1, 1]
+
+
+# ------------------------------------------------------------------------------------------ the model check
+
+_DATASET_OF = {"grpo": "prompts.jsonl", "rloo": "prompts.jsonl", "online_dpo": "prompts.jsonl"}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(workspace, tokenizer):
+    """Tiny model directories (a config and the tokenizer, no weights): Mamba, which training refuses, and Llama."""
+    from trl_prefix_sharing.testing import make_config
+
+    for family in ("mamba", "llama"):
+        make_config(family, len(tokenizer)).save_pretrained(workspace / family)
+        tokenizer.save_pretrained(workspace / family)
+    return workspace
+
+
+@pytest.mark.parametrize("trainer", ["dpo", "reward", "kto", "orpo", "cpo", "grpo", "rloo", "online_dpo"])
+def test_stats_refuses_a_model_training_refuses(model_dirs, tokenizer, capsys, monkeypatch, trainer):
+    """A Mamba model: one error line with training's own refusal (what `check_model_and_processor` raises when a
+    trainer is built with prefix sharing), exit status 2, and no report or verdict."""
+    from trl_prefix_sharing.cli.stats import TRAINER_CLASSES, main
+    from trl_prefix_sharing.support import check_model_and_processor
+
+    path = str(model_dirs / "mamba")
+    with pytest.raises(ValueError) as training:
+        check_model_and_processor(TRAINER_CLASSES[trainer], path, tokenizer, None, False, trainer == "dpo")
+    monkeypatch.chdir(model_dirs)
+    dataset = _DATASET_OF.get(trainer, "prefs.jsonl")
+    code = main(["--dataset_name", dataset, "--model_name_or_path", path, "--trainer", trainer])
+    captured = capsys.readouterr()
+    message = _one_error_line(captured.err, code)
+    assert message == f"--model_name_or_path {path!r}: {' '.join(str(training.value).split())}"
+    assert "can never support 'mamba'" in message and "prefix_sharing=False" in message
+    assert "verdict" not in captured.out and "pays" not in captured.out
+
+
+def test_stats_reports_the_model_check(model_dirs, capsys):
+    """A supported model says so; a directory holding a tokenizer only says the architecture was not checked."""
+    from trl_prefix_sharing.cli.stats import main
+
+    data = str(model_dirs / "prefs.jsonl")
+    assert main(["--dataset_name", data, "--model_name_or_path", str(model_dirs / "llama")]) == 0
+    assert "'llama', measured equal to stock TRL with prefix sharing" in _line(capsys.readouterr().out, "model:")
+    assert main(["--dataset_name", data, "--model_name_or_path", str(model_dirs / "tok"), "--trainer", "kto"]) == 0
+    line = _line(capsys.readouterr().out, "model:")
+    assert "not checked:" in line and "holds no config.json" in line and "--model_name_or_path" in line
+
+
+# ------------------------------------------------------------------------------------------ a misspelt prompt column
+
+
+@pytest.mark.parametrize("trainer", ["dpo", "reward", "kto", "orpo", "cpo", "grpo", "rloo", "online_dpo"])
+def test_stats_a_misspelt_prompt_column_is_an_error(workspace, capsys, monkeypatch, trainer):
+    """`promt` instead of `prompt`: no prompt would be shared, so every trainer stops with the dataset check's one
+    line (`check_prompt_column`), before any preprocessing."""
+    from trl_prefix_sharing.cli.stats import main
+
+    _write_jsonl(workspace / "promt.jsonl", [{"promt": "w1 w2 w3", "chosen": " w4", "rejected": " w5"}])
+    monkeypatch.chdir(workspace)
+    code = main(["--dataset_name", "promt.jsonl", "--model_name_or_path", "tok", "--trainer", trainer])
+    message = _one_error_line(capsys.readouterr().err, code)
+    assert "'promt.jsonl' dataset has no 'prompt' column but has 'promt'" in message
+    assert "rename_column('promt', 'prompt')" in message
+
+
+# ------------------------------------------------------------------------------------------ ideal and expected
+
+
+def _speedup(line: str) -> float:
+    return float(line.split("x (")[0].split()[-1].lstrip("~"))
+
+
+def _expected_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("    ") and ": ~" in line]
+
+
+@pytest.mark.parametrize("trainer", ["dpo", "reward"])
+@pytest.mark.parametrize("data", ["readme", "nothing_shared"])
+def test_stats_expected_speedup_is_never_above_its_ideal_unexplained(workspace, capsys, trainer, data):
+    """On the README's data (where the old report printed an expected 1.74x under a 1.64x ideal) and on pairs that
+    share nothing (1.00x ideal): every expected figure is at most the ideal with padding printed beside it (what
+    stock and the shared rows really compute), and one above the padding-free ideal says why on its line."""
+    from trl_prefix_sharing.cli.stats import main
+    from trl_prefix_sharing.testing import synthetic_pairs
+
+    rows = (
+        synthetic_pairs(32)
+        if data == "readme"
+        else [{"chosen": f"w{i} w{i + 1} w{i + 2}", "rejected": f"w{i + 50} w{i + 3}"} for i in range(16)]
+    )
+    path = _write_jsonl(workspace / f"{data}.jsonl", rows)
+    assert (
+        main(["--dataset_name", str(path), "--model_name_or_path", str(workspace / "tok"), "--trainer", trainer]) == 0
+    )
+    out = capsys.readouterr().out
+    ideal = _speedup(_line(out, "ideal speedup, linear layers:"))
+    with_padding = [line for line in out.splitlines() if line.strip().startswith("ideal with padding, batches of 8:")]
+    padded = _speedup(with_padding[0]) if with_padding else None
+    if data == "nothing_shared":
+        assert ideal == 1.0 and "does not pay" in out
+    lines = _expected_lines(out)
+    assert lines, out  # the CPU benchmark is recorded for dpo and reward
+    for line in lines:
+        expected = _speedup(line)
+        assert expected <= (padded or ideal) or "padding" in line, f"{expected} above the ideal {ideal}: {line}"
+        if expected > ideal:
+            assert f"above the padding-free ideal {ideal:.2f}x because stock also computes its rows' padding" in line
+        assert padded is not None and expected <= padded, line  # the bound is printed, and holds
+
+
+def test_expected_speedup_is_capped_at_the_ideal_with_padding(monkeypatch):
+    """A record without the ideal with padding gives the share of the padding-free ideal, which can exceed 1: the
+    expectation is then capped at the ideal with padding, and each line says where it stands."""
+    from trl_prefix_sharing.cli import stats
+
+    profile = {"p_over_c": 2.0, "share_of_ideal": 1.09, "sharing": 1.5, "sharing+packing": 1.9}
+    record = {"device": "CPU", "model": "tiny", "dpo": {"old": profile}}
+    monkeypatch.setattr(stats, "measured_speedups", lambda: {"cpu": record})
+    lines, values = stats.expected_speedups("dpo", 2.0, 1.0, 1.05)
+    assert values == [1.05] and "~1.05x (the ideal x 1.09" in lines[0]
+    assert "capped at the ideal with padding, 1.05x" in lines[0] and "above the padding-free ideal 1.00x" in lines[0]
+    record["dpo"]["old"] = {**profile, "padded_ideal": 1.6}  # the share of the ideal with padding: 1.5 / 1.6
+    lines, values = stats.expected_speedups("dpo", 2.0, 1.3, 1.2)
+    assert values == [pytest.approx(1.2 * 1.5 / 1.6)] and "the ideal with padding x 0.94" in lines[0]
+    assert "capped" not in lines[0] and "above the padding-free ideal" not in lines[0]
+    lines, values = stats.expected_speedups("kto", 2.0, 1.3, 1.2)
+    assert lines == ["    no KTO benchmark recorded"] and values == []
+
+
+def test_recorded_speedups_hold_the_ideal_with_padding():
+    """Every recorded profile has its ideal with padding (stock / shared positions per pair of the same benchmark
+    run, `docs/benchmarks/cpu.json`), and training reached at most that ideal: no expectation needs capping."""
+    from trl_prefix_sharing.cli.stats import measured_speedups
+
+    run = json.loads((Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "cpu.json").read_text())
+    recorded = measured_speedups()["cpu"]
+    for kind in ("dpo", "reward"):
+        for name, profile in recorded[kind].items():
+            variants = run["results"][kind][name]
+            positions = variants["stock"]["positions_per_pair"] / variants["sharing"]["positions_per_pair"]
+            assert profile["padded_ideal"] == pytest.approx(positions, abs=1e-3), name
+            assert profile["sharing"] <= profile["padded_ideal"], name

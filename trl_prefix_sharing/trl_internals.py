@@ -20,9 +20,11 @@ deep in a training step. What is checked, per `Internal`:
     `tests/test_kto_equivalence.py`;
   - GRPO and RLOO `_get_per_token_logps_and_entropies` (how it calls the model, which the shared-rows proxy answers):
     `test_crafted_batch_log_probs_and_gradients_match_stock`;
-  - DPO and reward `_prepare_dataset`, whose tokenisation the `stats` command re-derives from TRL's public data
-    functions (it builds no trainer): `test_stats_dpo_preprocessing_is_trls` and
-    `test_stats_reward_preprocessing_is_trls`.
+  - DPO, reward and KTO `_prepare_dataset`, ORPO and CPO `tokenize_row` and `build_tokenized_answer`, online DPO
+    `_generate` (its prompts' rendering), whose tokenisation the `stats` command re-derives from TRL's public data
+    functions (it builds no trainer): `test_stats_dpo_preprocessing_is_trls`,
+    `test_stats_reward_preprocessing_is_trls`, `test_stats_kto_preprocessing_is_trls`,
+    `test_stats_paired_preprocessing_is_trls` and `test_stats_online_dpo_tokenizes_prompts_as_trl`.
 
 No TRL method body is copied: each override calls TRL's own method, and the GRPO/RLOO shuffle is replaced by swapping
 the one function TRL's `_prepare_inputs` calls, for the duration of that call (`replaced_function`).
@@ -240,6 +242,12 @@ INTERNALS: dict[str, tuple[Internal, ...]] = {
     "stats": (
         Internal(_DPO, "_prepare_dataset", "mirror", fingerprint="733c5737c4949f4e"),
         Internal(_REWARD, "_prepare_dataset", "mirror", fingerprint="c4f390d195808b86"),
+        Internal(_KTO, "_prepare_dataset", "mirror", fingerprint="3060b0628a679f7c"),
+        Internal(_ORPO, "tokenize_row", "mirror", fingerprint="134bcedf932ae3df"),
+        Internal(_ORPO, "build_tokenized_answer", "mirror", fingerprint="993f7fe9bd05a250"),
+        Internal(_CPO, "tokenize_row", "mirror", fingerprint="cbff85d3b3779515"),
+        Internal(_CPO, "build_tokenized_answer", "mirror", fingerprint="993f7fe9bd05a250"),
+        Internal(_ONLINE_DPO, "_generate", "mirror", fingerprint="444dab2a5d9401b8"),  # how it renders prompts
     ),
 }
 

@@ -1,25 +1,40 @@
-"""`trl-prefix-sharing stats`: does prefix sharing pay on this dataset? Loads the tokenizer only.
+"""`trl-prefix-sharing stats`: does prefix sharing pay on this dataset? Loads the tokenizer and the model's config (no
+weights), and applies training's architecture check first: a model training refuses (Mamba, an encoder, ...) is an
+error naming the reason, never a verdict.
 
-Preference data (`--trainer dpo` or `reward`): tokenizes the dataset exactly as TRL's trainer would (same
-preprocessing, same truncation), runs the real collator and reports the lengths of the shared prefix (the prompt plus
-whatever start the completions have in common: prefix sharing computes the longest common token prefix of an
-example's rows once) and of the rest of each completion, token positions per example with and without sharing and
-packing, and the predicted speedup: the ideal for the linear layers (stock / shared positions, `2(p+c)/(p+2c)` for a
-pair) and for attention, and the expected one: the ideal times the share of ideal that `scripts/benchmark.py
---record` measured on the benchmark profile whose shared prefix/rest ratio is nearest to this dataset's
-(`trl_prefix_sharing/data/measured_speedups.json`, one entry per device kind measured).
+Data with its completions (`--trainer dpo`, `reward`, `kto`, `orpo` or `cpo`): tokenizes the dataset exactly as TRL's
+trainer would (same preprocessing, same truncation) and lays each example's stock rows out as training does, then
+reports the lengths of the shared prefix (the prompt plus whatever start the example's rows have in common: prefix
+sharing computes the longest common token prefix of an example's rows once) and of the rest of each row, token
+positions per example with and without sharing, and the predicted speedup. Two ideals: the padding-free one (stock /
+shared tokens, `2(p+c)/(p+2c)` for a pair) and the one with padding (stock's padded rows / the shared rows, in batches
+of `--per_device_train_batch_size`: the positions each really computes). The expected speedup is the ideal with
+padding times the share of it that `scripts/benchmark.py --record` measured on the benchmark profile whose shared
+prefix/rest ratio is nearest to this dataset's (`trl_prefix_sharing/data/measured_speedups.json`, one entry per device
+kind measured); it is never printed above the ideal with padding, and where it is above the padding-free ideal its line
+says why (stock also computes its rows' padding, which the shared rows drop). The verdict takes the lowest of these.
 
-Prompt-only data (`--trainer grpo` or `rloo`): the completions are generated during training, so their length is an
-assumption (`--completion_length`, by default `--max_completion_length`). Tokenizes the prompts as TRL does
-(conversational ones through the chat template with `add_generation_prompt=True`) and reports, per group of one prompt
-and its `--num_generations` completions, the positions stock TRL computes, G(P + C), against the shared layout's,
-P - 1 + G(C + 1) (the prompt once; each completion headed by a copy of the prompt's last token). Padding is not
-counted.
+- `dpo`, `reward`: each pair's two rows (or a ranked example's K rows), through the trainer's collator; packing too.
+- `orpo`, `cpo`: TRL's experimental ORPO/CPO tokenization (`tokenize_row`: BOS added, EOS added, the completions cut to
+  fit `--max_length`, never the prompt); the two rows `[prompt | chosen]`, `[prompt | rejected]`. By default
+  (`--prefix_sharing_score_padding true`, as in training) the shared rows also compute each stock row's padding.
+- `kto`: TRL's KTO tokenization; each example's main row `[prompt | completion]` and its KL row `[prompt | the previous
+  example's completion]` (rotated within batches of `--per_device_train_batch_size`, as TRL does). The reference pass
+  runs both after one copy of the prompt; the policy's gradient pass does so where `--prefix_sharing_merge_kl` merges
+  (by default: when a batch's prompt tokens exceed twice its KL completion tokens), so a training step is reported too.
+
+Prompt-only data (`--trainer grpo`, `rloo` or `online_dpo`): the completions are generated during training, so their
+length is an assumption (`--completion_length`, by default the longest generation: `--max_completion_length`, or
+`--max_new_tokens` for online DPO). Tokenizes the prompts as TRL does and reports, per group of one prompt and its
+completions (`--num_generations`; online DPO: 2), the positions stock TRL computes, G(P + C), against the shared
+layout's, P - 1 + G(C + 1) (the prompt once; each completion headed by a copy of the prompt's last token). Padding is
+not counted.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -32,13 +47,33 @@ from pathlib import Path
 
 PROG = "trl-prefix-sharing stats"
 MEASURED_SPEEDUPS = "measured_speedups.json"
-#: TRL 1.16's defaults: `num_generations` of GRPOConfig / RLOOConfig, and their `max_completion_length`
-NUM_GENERATIONS = {"grpo": 8, "rloo": 2}
-MAX_COMPLETION_LENGTH = 512
-#: TRL's defaults for the preference trainers (DPOConfig, RewardConfig and TrainingArguments)
+#: TRL 1.16's defaults: `num_generations` of GRPOConfig / RLOOConfig (online DPO always generates 2), and their
+#: `max_completion_length`; OnlineDPOConfig's `max_new_tokens`
+NUM_GENERATIONS = {"grpo": 8, "rloo": 2, "online_dpo": 2}
+MAX_COMPLETION_LENGTH, MAX_NEW_TOKENS = 512, 64
+#: TRL's defaults for the trainers with data completions (their configs and TrainingArguments)
 MAX_LENGTH, TRUNCATION_MODE, BATCH_SIZE = 1024, "keep_start", 8
-PREFERENCE_TRAINERS, GROUP_TRAINERS = ("dpo", "reward"), ("grpo", "rloo")
-#: the Hub's host, when `HF_ENDPOINT` does not name another
+#: `max_length` of each config (OnlineDPOConfig: prompt + completion, its prompt's start cut to fit)
+MAX_LENGTHS = {"dpo": 1024, "reward": 1024, "kto": 1024, "orpo": 1024, "cpo": 1024, "online_dpo": 512}
+#: the length TRL's ORPO and CPO trainers take when `max_length` is None
+ORPO_DEFAULT_LENGTH = 512
+PREFERENCE_TRAINERS, PAIRED_TRAINERS = ("dpo", "reward"), ("orpo", "cpo")
+GROUP_TRAINERS = ("grpo", "rloo", "online_dpo")
+#: the trainers whose data holds its completions, in the order of the help text
+DATA_TRAINERS = (*PREFERENCE_TRAINERS, "kto", *PAIRED_TRAINERS)
+TRAINERS = (*DATA_TRAINERS, *GROUP_TRAINERS)
+#: the trainer class of each `--trainer`, as training names it in its errors
+TRAINER_CLASSES = {
+    "dpo": "DPOTrainer",
+    "reward": "RewardTrainer",
+    "kto": "KTOTrainer",
+    "orpo": "ORPOTrainer",
+    "cpo": "CPOTrainer",
+    "grpo": "GRPOTrainer",
+    "rloo": "RLOOTrainer",
+    "online_dpo": "OnlineDPOTrainer",
+}
+#: the hub's host, when `HF_ENDPOINT` does not name another
 HUB_ENDPOINT = "https://huggingface.co"
 #: set to see the traceback behind an error line
 TRACEBACK_VARIABLE = "TRL_PREFIX_SHARING_TRACEBACK"
@@ -54,26 +89,45 @@ def measured_speedups() -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def expected_speedup_lines(kind: str, ratio: float, linear_ideal: float) -> list[str]:
-    """The expected speedup on a dataset of shared prefix/rest ratio `ratio`, from the nearest measured profile."""
-    lines, recorded = [], measured_speedups()
+def expected_speedups(kind: str, ratio: float, ideal: float, padded_ideal: float) -> tuple[list[str], list[float]]:
+    """The expected speedup on a dataset of shared prefix/rest ratio `ratio`, from the nearest measured profile: the
+    report's lines and the figures.
+
+    `ideal` is the padding-free ideal (stock / shared tokens), `padded_ideal` the one with padding (stock's padded rows
+    / the shared rows). A profile that recorded its ideal with padding gives the share of it that training reached;
+    an older record only the share of the padding-free ideal, which exceeds 1 where stock computed much padding. An
+    expectation is never above `padded_ideal` (capped, and said so), and one above `ideal` says why."""
+    lines, values, recorded = [], [], measured_speedups()
     for mode, record in sorted(recorded.items()):
         profiles = record.get(kind) or {}
         if not profiles:
             continue
         name, near = min(profiles.items(), key=lambda item: abs(math.log(item[1]["p_over_c"] / max(ratio, 1e-6))))
-        share = near["share_of_ideal"]
-        lines.append(
-            f"    {mode.upper()} ({record['device']}; {record['model']}): ~{linear_ideal * share:.2f}x "
-            f"(ideal x {share:.2f}, the "
-            f"share of ideal measured on the {name} profile, p/c {near['p_over_c']:.2f}: sharing "
-            f"{near['sharing']:.2f}x, sharing+packing {near['sharing+packing']:.2f}x over stock)"
+        measured = (
+            f"measured on the {name} profile, p/c {near['p_over_c']:.2f}: sharing {near['sharing']:.2f}x, "
+            f"sharing+packing {near['sharing+packing']:.2f}x over stock"
         )
+        if near.get("padded_ideal"):
+            share = near["sharing"] / near["padded_ideal"]
+            expected, basis = padded_ideal * share, f"the ideal with padding x {share:.2f}, the share of it {measured}"
+        else:
+            share = near["share_of_ideal"]
+            expected, basis = ideal * share, f"the ideal x {share:.2f}, the share of ideal {measured}"
+        if expected > padded_ideal:
+            expected = padded_ideal
+            basis += f"; capped at the ideal with padding, {padded_ideal:.2f}x, the most the positions allow"
+        if expected > ideal:
+            basis += (
+                f"; above the padding-free ideal {ideal:.2f}x because stock also computes its rows' padding "
+                "positions, which the shared rows drop"
+            )
+        values.append(expected)
+        lines.append(f"    {mode.upper()} ({record['device']}; {record['model']}): ~{expected:.2f}x ({basis})")
     if not lines:
-        lines.append("    no benchmark recorded for this trainer (run scripts/benchmark.py --record)")
-    if "gpu" not in recorded:
+        lines.append(f"    no {kind.upper()} benchmark recorded")
+    if kind in PREFERENCE_TRAINERS and "gpu" not in recorded:
         lines.append("    GPU: no benchmark recorded yet (scripts/benchmark.py --mode gpu --record on a CUDA machine)")
-    return lines
+    return lines, values
 
 
 def _percentiles(values, points=(10, 50, 90, 99)):
@@ -99,8 +153,8 @@ def _count(n: int, noun: str) -> str:
     return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
-def _verdict(linear: float) -> str:
-    return "pays" if linear >= 1.15 else "pays little" if linear >= 1.05 else "does not pay"
+def _verdict(speedup: float) -> str:
+    return "pays" if speedup >= 1.15 else "pays little" if speedup >= 1.05 else "does not pay"
 
 
 # --------------------------------------------------------------------------------------------------- arguments
@@ -132,6 +186,13 @@ def _boolean(text: str) -> bool:
     return value in {"true", "yes", "1"}
 
 
+def _boolean_or_none(text: str) -> bool | None:
+    return None if text.strip().lower() in {"none", "auto"} else _boolean(text)
+
+
+_boolean_or_none.__name__ = "true, false or none"
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -139,100 +200,180 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--dataset_config", default=None)
     parser.add_argument("--dataset_train_split", default="train")
-    parser.add_argument("--model_name_or_path", required=True, help="where to load the tokenizer from")
+    parser.add_argument(
+        "--model_name_or_path",
+        required=True,
+        help="the model: its tokenizer and its config (for the architecture check training applies), no weights",
+    )
     parser.add_argument(
         "--trust_remote_code",
         type=_boolean,
         nargs="?",
         const=True,
         default=False,
-        help="let the tokenizer run code from its repository, as in TRL's ModelConfig (default: false)",
+        help="let the tokenizer and config run code from the model's repository, as in TRL's ModelConfig "
+        "(default: false)",
     )
     parser.add_argument(
         "--trainer",
-        choices=[*PREFERENCE_TRAINERS, *GROUP_TRAINERS],
+        choices=TRAINERS,
         default="dpo",
-        help="dpo, reward: preference data (chosen/rejected or ranked completions); grpo, rloo: prompts only, "
+        help="dpo, reward, orpo, cpo: preference data (chosen/rejected; reward: or ranked completions); kto: "
+        "unpaired data (prompt/completion/label, or pairs TRL unpairs); grpo, rloo, online_dpo: prompts only, "
         "completions generated during training (default: dpo)",
     )
     parser.add_argument("--max_examples", type=_int_at_least(1), default=None, help="look at the first N rows only")
-    preference = parser.add_argument_group("dpo and reward")
-    preference.add_argument(
+    data = parser.add_argument_group("dpo, reward, kto, orpo and cpo")
+    data.add_argument(
         "--max_length",
         type=_int_at_least(0),
         default=None,
-        help=f"as in DPOConfig (truncates) and RewardConfig (drops longer examples); 0: none (default: {MAX_LENGTH})",
+        help="as in the trainer's config: DPO and KTO truncate, the reward trainer drops longer examples, ORPO and "
+        "CPO cut the completions to fit, online DPO cuts the prompt's start; 0: none (default: TRL's, "
+        + ", ".join(f"{k} {v}" for k, v in MAX_LENGTHS.items())
+        + ")",
     )
-    preference.add_argument(
+    data.add_argument(
         "--truncation_mode",
         choices=["keep_start", "keep_end"],
         default=None,
         help=f"dpo only, as in DPOConfig (default: {TRUNCATION_MODE})",
     )
-    preference.add_argument(
+    data.add_argument(
         "--per_device_train_batch_size",
         type=_int_at_least(1),
         default=None,
-        help=f"examples per micro-batch, for the padding and packing estimates (default: {BATCH_SIZE})",
+        help="examples per micro-batch, for the padding and packing estimates and KTO's KL rows (default: "
+        f"{BATCH_SIZE})",
     )
-    group = parser.add_argument_group("grpo and rloo")
+    data.add_argument(
+        "--prefix_sharing_score_padding",
+        type=_boolean,
+        default=None,
+        help="orpo and cpo only, as in their configs: the shared rows also compute each stock row's padding "
+        "(default: true)",
+    )
+    data.add_argument(
+        "--prefix_sharing_merge_kl",
+        type=_boolean_or_none,
+        default=None,
+        help="kto only, as in KTOConfig: the policy's gradient pass also runs the KL rows (true), never (false), or "
+        "when a batch's prompt tokens exceed twice its KL completion tokens (none, the default)",
+    )
+    group = parser.add_argument_group("grpo, rloo and online_dpo")
     group.add_argument(
         "--num_generations",
         type=_int_at_least(2),
         default=None,
         help="completions per prompt, as in GRPOConfig/RLOOConfig (default: TRL's, "
         + ", ".join(f"{k} {v}" for k, v in NUM_GENERATIONS.items())
-        + ")",
+        + "; online DPO generates 2, always)",
     )
     group.add_argument(
         "--max_completion_length",
         type=_int_at_least(1),
         default=None,
-        help=f"as in GRPOConfig/RLOOConfig (default: TRL's, {MAX_COMPLETION_LENGTH})",
+        help=f"grpo and rloo, as in GRPOConfig/RLOOConfig (default: TRL's, {MAX_COMPLETION_LENGTH})",
+    )
+    group.add_argument(
+        "--max_new_tokens",
+        type=_int_at_least(1),
+        default=None,
+        help=f"online_dpo, as in OnlineDPOConfig (default: TRL's, {MAX_NEW_TOKENS})",
     )
     group.add_argument(
         "--completion_length",
         type=_int_at_least(1),
         default=None,
-        help="the assumed length of every generated completion, in tokens (default: --max_completion_length, "
-        "the longest TRL generates; completions that stop at EOS are shorter, so pass the typical length you see)",
+        help="the assumed length of every generated completion, in tokens (default: --max_completion_length, or "
+        "--max_new_tokens for online_dpo, the longest TRL generates; completions that stop at EOS are shorter, so "
+        "pass the typical length you see)",
     )
     return parser
 
 
+#: the flags that apply to some trainers only
+_APPLIES_TO = {
+    "max_length": (*DATA_TRAINERS, "online_dpo"),
+    "truncation_mode": ("dpo",),
+    "per_device_train_batch_size": DATA_TRAINERS,
+    "prefix_sharing_score_padding": PAIRED_TRAINERS,
+    "prefix_sharing_merge_kl": ("kto",),
+    "num_generations": GROUP_TRAINERS,
+    "max_completion_length": ("grpo", "rloo"),
+    "max_new_tokens": ("online_dpo",),
+    "completion_length": GROUP_TRAINERS,
+}
+#: why a flag does not apply to a trainer, where more can be said than which trainers it applies to
+_WHY_NOT = {
+    ("truncation_mode", "reward"): "the reward trainer drops the examples longer than --max_length instead of "
+    "truncating them",
+    ("truncation_mode", "kto"): "TRL's KTO trainer always keeps the start",
+    ("truncation_mode", "orpo"): "TRL's ORPO trainer cuts the completions to fit, never the prompt",
+    ("truncation_mode", "cpo"): "TRL's CPO trainer cuts the completions to fit, never the prompt",
+    ("truncation_mode", "online_dpo"): "TRL's online DPO trainer cuts the prompt's start to fit --max_length",
+    ("max_completion_length", "online_dpo"): "OnlineDPOConfig names the completion length --max_new_tokens; pass that",
+    ("max_new_tokens", "grpo"): "GRPOConfig names the completion length --max_completion_length; pass that",
+    ("max_new_tokens", "rloo"): "RLOOConfig names the completion length --max_completion_length; pass that",
+    ("per_device_train_batch_size", "online_dpo"): "padding is not counted for generated completions",
+}
+
+
+def _does_not_apply(flag: str, trainer: str) -> str:
+    """The error for `--flag` given with `--trainer trainer`, which it does not apply to: one line with the way out."""
+    where = _APPLIES_TO[flag]
+    listed = ", ".join(where[:-1]) + f" or {where[-1]}" if len(where) > 1 else where[0]
+    why = _WHY_NOT.get((flag, trainer))
+    if why is None and trainer in ("grpo", "rloo"):
+        why = f"with --trainer {trainer} the prompts are not truncated and padding is not counted"
+    if why is None and trainer in DATA_TRAINERS and set(where) <= set(GROUP_TRAINERS):
+        return (
+            f"--{flag} applies to --trainer {listed} (completions generated during training); --trainer {trainer} "
+            f"counts the dataset's own completions; drop it, or pass --trainer {where[0]}"
+        )
+    return f"--{flag} applies to --trainer {listed} only{f': {why}' if why else ''}; drop it"
+
+
 def parse_args(argv: list[str] | None):
     args = make_parser().parse_args(argv)
-    given = lambda *names: [f"--{n}" for n in names if getattr(args, n) is not None]  # noqa: E731
+    for flag, trainers in _APPLIES_TO.items():
+        if getattr(args, flag) is not None and args.trainer not in trainers:
+            raise StatsError(_does_not_apply(flag, args.trainer))
     if args.trainer in GROUP_TRAINERS:
-        if wrong := given("max_length", "truncation_mode", "per_device_train_batch_size"):
-            raise StatsError(
-                f"{', '.join(wrong)} applies to --trainer dpo or reward; with --trainer {args.trainer} the "
-                "prompts are not truncated and padding is not counted; drop it"
-            )
+        if args.trainer == "online_dpo":
+            if args.num_generations not in (None, 2):
+                raise StatsError(
+                    f"--num_generations {args.num_generations}: TRL's online DPO trainer generates 2 completions per "
+                    "prompt, always; drop --num_generations"
+                )
+            args.max_length = MAX_LENGTHS["online_dpo"] if args.max_length is None else args.max_length
+            if not args.max_length:
+                raise StatsError(
+                    "--max_length 0: OnlineDPOConfig's max_length is a number of tokens (prompt + completion, the "
+                    f"prompt's start cut to fit); pass one (TRL's default: {MAX_LENGTHS['online_dpo']})"
+                )
+            args.max_completion_length = args.max_new_tokens = args.max_new_tokens or MAX_NEW_TOKENS
+            longest = "--max_new_tokens"
+        else:
+            args.max_completion_length = args.max_completion_length or MAX_COMPLETION_LENGTH
+            longest = "--max_completion_length"
         args.num_generations = args.num_generations or NUM_GENERATIONS[args.trainer]
-        args.max_completion_length = args.max_completion_length or MAX_COMPLETION_LENGTH
         if args.completion_length is None:
             args.completion_length = args.max_completion_length
         elif args.completion_length > args.max_completion_length:
             raise StatsError(
-                f"--completion_length {args.completion_length} is longer than --max_completion_length "
+                f"--completion_length {args.completion_length} is longer than {longest} "
                 f"{args.max_completion_length}, where generation stops; pass at most {args.max_completion_length} "
-                "or raise --max_completion_length"
+                f"or raise {longest}"
             )
-    else:
-        if wrong := given("num_generations", "max_completion_length", "completion_length"):
-            raise StatsError(
-                f"{', '.join(wrong)} applies to --trainer grpo or rloo (completions generated during training); "
-                f"--trainer {args.trainer} counts the dataset's own completions; drop it, or pass --trainer grpo"
-            )
-        if args.trainer == "reward" and args.truncation_mode is not None:
-            raise StatsError(
-                "--truncation_mode applies to --trainer dpo only: the reward trainer drops the examples longer "
-                "than --max_length instead of truncating them; drop it"
-            )
-        args.max_length = MAX_LENGTH if args.max_length is None else args.max_length
-        args.truncation_mode = args.truncation_mode or TRUNCATION_MODE
-        args.per_device_train_batch_size = args.per_device_train_batch_size or BATCH_SIZE
+        return args
+    args.max_length = MAX_LENGTHS[args.trainer] if args.max_length is None else args.max_length
+    if args.trainer in PAIRED_TRAINERS and not args.max_length:
+        args.max_length = ORPO_DEFAULT_LENGTH  # TRL's ORPO and CPO trainers take 512 for `max_length=None`
+    args.truncation_mode = args.truncation_mode or TRUNCATION_MODE
+    args.per_device_train_batch_size = args.per_device_train_batch_size or BATCH_SIZE
+    if args.prefix_sharing_score_padding is None:
+        args.prefix_sharing_score_padding = True
     return args
 
 
@@ -387,18 +528,83 @@ def load_split(args, offline: str | None):
     return dataset
 
 
+def load_model_config(name: str, trust_remote_code: bool = False):
+    """The config of `--model_name_or_path` (no weights), loaded as the tokenizer was (a local directory, the Hub, or
+    the local cache when offline); where there is none to load (a directory holding a tokenizer only, a Hub model
+    whose config is not in the cache while offline), a `str` saying why."""
+    from transformers import AutoConfig
+
+    path = Path(name).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        return f"{name!r} holds no config.json (a tokenizer only)"
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except OSError as error:  # no config file where the tokenizer was found (or not in the cache, offline)
+        return f"no config of {name!r} could be read ({_cause(error)})"
+    except Exception as error:  # a config transformers cannot take: training could not load the model either
+        way_out = (
+            "pass --trust_remote_code true if you trust the model's code"
+            if "trust_remote_code" in str(error)
+            else "check that the config.json is a transformers model config"
+        )
+        raise StatsError(f"cannot read the model config of {name!r} ({_cause(error)}); {way_out}") from None
+
+
+def check_model(name: str, trainer: str, trust_remote_code: bool = False) -> str:
+    """Training's architecture check of the model (`trl_prefix_sharing.support.check_architecture`): a model that
+    training refuses is an error with training's reason. Returns the report's line on the model."""
+    from ..support import check_architecture
+
+    config = load_model_config(name, trust_remote_code)
+    if isinstance(config, str):
+        return (
+            f"not checked: {config}; pass --model_name_or_path the model's directory or id to check it (training "
+            "refuses some architectures: recurrent layers, encoders)"
+        )
+    try:
+        reason = check_architecture(config, TRAINER_CLASSES[trainer], trainer == "dpo")
+    except ValueError as error:
+        raise StatsError(f"--model_name_or_path {name!r}: {_one_line(error)}") from None
+    if reason is None:
+        return f"'{config.model_type}', measured equal to stock TRL with prefix sharing"
+    return (
+        f"'{config.model_type}': {reason}; training compares stock and shared rows on its first batch and stops if "
+        "they differ"
+    )
+
+
+#: the columns each trainer with data completions takes (beyond DPO's and the reward trainer's, from their trainers)
+KTO_COLUMNS = (
+    ({"prompt", "completion", "label"}, {"chosen", "rejected"}),
+    "a KTO dataset needs 'prompt', 'completion' and 'label' (unpaired), or 'chosen' and 'rejected' (pairs, which TRL "
+    "unpairs), text or conversational.",
+)
+PAIRED_COLUMNS = (
+    ({"chosen", "rejected"},),
+    "a preference dataset needs 'chosen' and 'rejected' (and optionally 'prompt'), text or conversational.",
+)
+
+
 def _check_columns(dataset, args) -> None:
+    from ..validation import check_prompt_column
+
     columns = set(dataset.column_names)
+    try:  # a misspelt prompt column would be ignored and nothing shared
+        check_prompt_column(dataset, repr(args.dataset_name))
+    except ValueError as error:
+        raise StatsError(_one_line(error)) from None
     if args.trainer in GROUP_TRAINERS:
         if "prompt" not in columns:
             hint = (
-                "; for preference data pass --trainer dpo or reward"
+                "; for preference data pass --trainer dpo, reward, orpo or cpo"
                 if {"chosen", "rejected"} <= columns or "completions" in columns
+                else "; for unpaired data pass --trainer kto"
+                if "completion" in columns
                 else ""
             )
             raise StatsError(
                 f"the dataset has columns {sorted(columns)}; --trainer {args.trainer} needs a 'prompt' column (text "
-                f"or a list of messages), as TRL's {args.trainer.upper()}Trainer does{hint}"
+                f"or a list of messages), as TRL's {TRAINER_CLASSES[args.trainer]} does{hint}"
             )
         if {"image", "images"} & columns:
             raise StatsError(
@@ -410,14 +616,18 @@ def _check_columns(dataset, args) -> None:
     from ..reward_trainer import REWARD_COLUMNS
     from ..validation import check_dataset_columns
 
+    accepted = {"dpo": DPO_COLUMNS, "reward": REWARD_COLUMNS, "kto": KTO_COLUMNS}.get(args.trainer, PAIRED_COLUMNS)
     try:
-        check_dataset_columns(
-            dataset, args.dataset_train_split, *(DPO_COLUMNS if args.trainer == "dpo" else REWARD_COLUMNS)
-        )
+        check_dataset_columns(dataset, args.dataset_train_split, *accepted)
     except ValueError as error:
         hint = ""
-        if "prompt" in columns and not {"chosen", "rejected", "completions"} & columns:
-            hint = "; for prompt-only data (completions generated during training) pass --trainer grpo or rloo"
+        if "prompt" in columns and not {"chosen", "rejected", "completions", "completion"} & columns:
+            hint = (
+                "; for prompt-only data (completions generated during training) pass --trainer grpo, rloo or "
+                "online_dpo"
+            )
+        elif {"prompt", "completion", "label"} <= columns:
+            hint = "; for unpaired data (prompt, completion, label) pass --trainer kto"
         raise StatsError(f"{_one_line(error).rstrip('.')}{hint}") from None
 
 
@@ -473,14 +683,15 @@ def _note_prompt_end_moved(tokenizer, moved: list[int]) -> None:
     warnings.warn(
         "the tokenized prompt of some examples is not where the tokenized prompt + completion starts (the chat "
         "template renders a prompt alone differently, or tokens merge across its end); the completions start where "
-        f"they differ, so the prompt's end {tokenizer.decode(moved)!r} is counted as completion, as DPO trains on it",
+        f"they differ, so the prompt's end {tokenizer.decode(moved)!r} is counted as completion, as training takes it",
         UserWarning,
         stacklevel=2,
     )
 
 
-def _tokenize_pair(example: dict, tokenizer) -> dict:
-    """DPO's columns of one example: the prompt's tokens, and each completion's tokens after it.
+def _tokenize_pair(example: dict, tokenizer, keys: tuple[str, ...] = ("chosen", "rejected")) -> dict:
+    """DPO's columns of one example (KTO's with `keys=("completion",)`): the prompt's tokens, and each completion's
+    tokens after it.
 
     Each completion is tokenized together with its prompt, as the model reads them (conversational: rendered by the
     chat template; the prompt alone ends with the generation prompt). The prompt is the start of the tokenized prompt
@@ -488,7 +699,7 @@ def _tokenize_pair(example: dict, tokenizer) -> dict:
     tokenizer may merge tokens across the prompt's end; whatever differs belongs to the completions."""
     from trl.data_utils import is_conversational
 
-    prompt, keys = example["prompt"], ("chosen", "rejected")
+    prompt = example["prompt"]
     if is_conversational(example):
         kwargs = _chat_template_kwargs(example)
         prompt_ids = _token_ids(tokenizer, prompt, add_generation_prompt=True, **kwargs)
@@ -499,7 +710,10 @@ def _tokenize_pair(example: dict, tokenizer) -> dict:
     start = min(_common_length(prompt_ids, ids) for ids in full)
     if start < len(prompt_ids):
         _note_prompt_end_moved(tokenizer, prompt_ids[start:])
-    return {"prompt_ids": prompt_ids[:start], "chosen_ids": full[0][start:], "rejected_ids": full[1][start:]}
+    return {
+        "prompt_ids": prompt_ids[:start],
+        **{f"{key}_ids": ids[start:] for key, ids in zip(keys, full, strict=True)},
+    }
 
 
 def _tokenize_scored(example: dict, tokenizer) -> dict:
@@ -584,15 +798,26 @@ def _preprocess(trainer: str, prepare, dataset, tokenizer, *limits):
         raise StatsError(f"TRL's {trainer} preprocessing cannot take this dataset ({cause})") from None
 
 
-def _prepared_preferences(dataset, tokenizer, args):
-    """The dataset as `--trainer` prepares it, and TRL's collator of its examples (before prefix sharing)."""
+@contextlib.contextmanager
+def _quiet_preprocessing(dataset):
+    """No progress bars while a dataset that takes seconds is prepared."""
     import datasets
 
-    max_length = args.max_length or None
     bars = datasets.is_progress_bar_enabled()
     if len(dataset) <= 4096:
-        datasets.disable_progress_bars()  # preprocessing takes seconds: no bars
+        datasets.disable_progress_bars()
     try:
+        yield
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _prepared_preferences(dataset, tokenizer, args):
+    """The dataset as `--trainer` (dpo or reward) prepares it, and TRL's collator of its examples (before prefix
+    sharing)."""
+    max_length = args.max_length or None
+    with _quiet_preprocessing(dataset):
         if args.trainer == "dpo":
             from trl.trainer.dpo_trainer import DataCollatorForPreference
 
@@ -612,15 +837,141 @@ def _prepared_preferences(dataset, tokenizer, args):
                 if ranked
                 else DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)
             )
-    finally:
-        if bars:
-            datasets.enable_progress_bars()
     return dataset, base
+
+
+# --------------------------------------------------------------------------------------------------- KTO, ORPO, CPO
+#
+# TRL 1.16's KTO preprocessing (`KTOTrainer._prepare_dataset`) and its experimental ORPO/CPO tokenization
+# (`tokenize_row` and `build_tokenized_answer`, the same in both), re-derived with TRL's public data functions:
+# `tests/test_stats_trainers.py` compares the columns and the collated rows with what TRL's trainers produce.
+
+
+def _with_completion_eos(example: dict, eos_token: str) -> dict:
+    """KTO: a text completion ends with the EOS token (added where it is missing)."""
+    completion = example["completion"]
+    return {"completion": completion if completion.endswith(eos_token) else completion + eos_token}
+
+
+def _with_kl_completions(examples: dict) -> dict:
+    """KTO's KL completions: each example's KL row takes the completion of the example before it in its batch."""
+    completions = examples["completion_ids"]
+    return {"KL_completion_ids": completions[-1:] + completions[:-1]}
+
+
+def kto_dataset(dataset, tokenizer, max_length: int | None, batch_size: int):
+    """`dataset` as TRL's `KTOTrainer` prepares it: `prompt_ids`, `completion_ids` and `KL_completion_ids` per example.
+
+    Without a `prompt` column the prompt is the start `chosen` and `rejected` share; pairs are unpaired (each pair's
+    chosen and rejected completion become two examples). Text completions (the first example tells) end with the EOS
+    token. With `max_length`, the examples whose prompt alone fills it are dropped. The KL completions are rotated
+    within each batch of `batch_size` consecutive examples (TRL's default loss, `"kto"`, computes the KL rows)."""
+    from trl.data_utils import extract_prompt, is_conversational, unpair_preference_dataset
+
+    if "prompt" not in dataset.column_names:
+        dataset = dataset.map(extract_prompt, desc="Extracting prompt from train dataset")
+    if {"chosen", "rejected"} <= set(dataset.column_names):
+        dataset = unpair_preference_dataset(dataset, desc="Unpairing train dataset")
+    if not is_conversational(dataset[0]):
+        eos = {"eos_token": tokenizer.eos_token}
+        dataset = dataset.map(_with_completion_eos, fn_kwargs=eos, desc="Adding EOS to train dataset")
+    kwargs = {"tokenizer": tokenizer, "keys": ("completion",)}
+    dataset = dataset.map(_tokenize_pair, fn_kwargs=kwargs, desc="Tokenizing train dataset")
+    if max_length is not None:
+        dataset = dataset.filter(
+            lambda prompt_ids: len(prompt_ids) < max_length,
+            input_columns="prompt_ids",
+            desc="Dropping fully truncated examples from train dataset",
+        )
+    return dataset.map(_with_kl_completions, batched=True, batch_size=batch_size, desc="Extracting KL train dataset")
+
+
+def _answer_tokens(tokenizer, prompt: str, answer: str) -> dict:
+    """TRL's `build_tokenized_answer`: `prompt + answer` tokenized (no special tokens), split where the tokenized
+    prompt alone stops matching it (one token earlier when the prompt's last token merged with the answer)."""
+    full = tokenizer(prompt + answer, add_special_tokens=False)["input_ids"]
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    if len(full) < len(prompt_ids):
+        raise ValueError("Prompt input ids and answer input ids should have the same length.")
+    start = len(prompt_ids) - (prompt_ids != full[: len(prompt_ids)])
+    return {
+        "prompt_input_ids": full[:start],
+        "prompt_attention_mask": [1] * start,
+        "input_ids": full[start:],
+        "attention_mask": [1] * (len(full) - start),
+    }
+
+
+def _tokenize_paired(example: dict, tokenizer, max_length: int) -> dict:
+    """TRL's ORPO/CPO `tokenize_row` of a decoder-only model: `prompt_input_ids`, and per completion its row
+    `{key}_input_ids` (prompt + completion) and `{key}_labels` (-100 over the prompt). BOS heads the prompt and EOS
+    ends each completion where missing; a row longer than `max_length` loses the end of its completion, never the
+    prompt."""
+    from trl.experimental.utils import add_bos_token_if_needed, add_eos_token_if_needed
+
+    prompt = example["prompt"]
+    for key in ("prompt", "chosen", "rejected"):
+        if not isinstance(example[key], str):
+            raise ValueError(f"{key} should be an str but got {type(example[key])}")
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    chosen, rejected = (_answer_tokens(tokenizer, prompt, example[key]) for key in ("chosen", "rejected"))
+    lengths = [len(tokens["prompt_input_ids"]) for tokens in (chosen, rejected)]
+    prompt_ids = prompt_ids[: min(lengths)]
+    differing = sum(a != b for a, b in zip(chosen["prompt_input_ids"], rejected["prompt_input_ids"], strict=False))
+    if differing > 1 or abs(lengths[0] - lengths[1]) > 1:
+        raise ValueError(
+            "Chosen and rejected prompt_input_ids might only differ on the last token due to tokenizer merge ops."
+        )
+    prompt_tokens = {"prompt_input_ids": prompt_ids, "prompt_attention_mask": [1] * len(prompt_ids)}
+    prompt_tokens, chosen, rejected = add_bos_token_if_needed(
+        tokenizer.bos_token_id, len(prompt_ids), prompt_tokens, lengths[0], chosen, lengths[1], rejected
+    )
+    chosen, rejected = add_eos_token_if_needed(tokenizer.eos_token_id, chosen, rejected)
+    columns = {"prompt_input_ids": prompt_tokens["prompt_input_ids"]}
+    for key, tokens in (("chosen", chosen), ("rejected", rejected)):
+        head, answer = tokens["prompt_input_ids"], tokens["input_ids"]
+        if len(head) + len(answer) > max_length:
+            answer = answer[: max(0, max_length - len(head))]
+        columns[f"{key}_input_ids"] = head + answer
+        columns[f"{key}_labels"] = [-100] * len(head) + answer
+    return columns
+
+
+def paired_dataset(dataset, tokenizer, max_length: int):
+    """`dataset` as TRL's experimental `ORPOTrainer` and `CPOTrainer` prepare it (`maybe_extract_prompt`,
+    `maybe_apply_chat_template`, then `tokenize_row`): `prompt_input_ids`, `chosen_input_ids`, `chosen_labels`,
+    `rejected_input_ids` and `rejected_labels` per example. Nothing is dropped."""
+    from trl.data_utils import maybe_apply_chat_template, maybe_extract_prompt
+
+    dataset = dataset.map(maybe_extract_prompt, desc="Extracting prompt from train dataset")
+    kwargs = {"processing_class": tokenizer}
+    dataset = dataset.map(maybe_apply_chat_template, fn_kwargs=kwargs, desc="Applying chat template to train dataset")
+    kwargs = {"tokenizer": tokenizer, "max_length": max_length}
+    return dataset.map(_tokenize_paired, fn_kwargs=kwargs, desc="Tokenizing train dataset")
+
+
+def kto_rows(batch: list[dict], max_length: int | None) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """The stock rows of one KTO micro-batch as TRL's collator builds them (each cut to `max_length`): the main rows
+    `prompt + completion`, the KL rows `prompt + KL completion`, and each example's prompt tokens in them."""
+    cut = slice(None, max_length)
+    main = [(example["prompt_ids"] + example["completion_ids"])[cut] for example in batch]
+    kl = [(example["prompt_ids"] + example["KL_completion_ids"])[cut] for example in batch]
+    prompts = [len(example["prompt_ids"][cut]) for example in batch]
+    return main, kl, prompts
+
+
+def paired_rows(batch: list[dict]) -> tuple[list[list[int]], list[int]]:
+    """The stock rows of one ORPO/CPO micro-batch (`concatenated_inputs`: the chosen rows, then the rejected rows),
+    and each example's prompt tokens in them (its chosen row's label mask)."""
+    rows = [example["chosen_input_ids"] for example in batch] + [example["rejected_input_ids"] for example in batch]
+    prompts = [example["chosen_labels"].count(-100) for example in batch]
+    return rows, prompts
 
 
 @dataclass
 class _PreferenceCounts:
-    """What `_measure_preferences` counts: lengths per example (or per completion: `rest_lens`) and totals."""
+    """What the report on data with its completions counts: lengths per example (or per row: `rest_lens`) and
+    totals. "Padded": in micro-batches of `per_device_train_batch_size` consecutive examples, padding included."""
 
     prompt_lens: list[int] = field(default_factory=list)
     common_lens: list[int] = field(default_factory=list)
@@ -633,8 +984,13 @@ class _PreferenceCounts:
     stock_attention: int = 0
     shared_attention: int = 0
     no_prefix: int = 0
-    stock_padded: int = 0  # positions of batches of `per_device_train_batch_size`, padding included
-    shared_padded: int = 0
+    stock_padded: int = 0  # stock's rows, padded
+    shared_padded: int = 0  # the shared rows as trained (ORPO/CPO: with `prefix_sharing_score_padding` as given)
+    other_padded: int = 0  # ORPO/CPO: the shared rows with the other `prefix_sharing_score_padding`
+    step_stock: int = 0  # KTO: positions of the training steps, a pass with gradients weighted 3 (its backward)
+    step_shared: int = 0
+    batches: int = 0
+    merged: int = 0  # KTO: batches whose policy gradient pass runs the KL rows too
 
 
 def _dpo_prompt_lengths(batch, lengths: list[int]) -> list[int] | None:
@@ -646,23 +1002,15 @@ def _dpo_prompt_lengths(batch, lengths: list[int]) -> list[int] | None:
     return [int(completion[r].int().argmax()) if completion[r].any() else lengths[r] for r in range(len(lengths))]
 
 
-def _count_batch(counts: _PreferenceCounts, batch, batch_size: int) -> None:
-    """Add one collated chunk of examples to `counts`."""
-    from ..examples import example_groups
-    from ..layout import shared_positions
+def _count_examples(
+    counts: _PreferenceCounts, per_doc: list[int], prefix: list[int], lengths, groups, prompts
+) -> None:
+    """Add examples laid out each on its own (one document per example, in example order) to `counts`: `per_doc[e]`
+    the positions of example e's document, `prefix[e]` those more than one of its rows read (its shared prefix),
+    `lengths[r]` the tokens of stock row r, `groups[e]` the stock rows of example e, `prompts[r]` the prompt tokens
+    of row r (None: not known apart)."""
     from ..stats import causal_pairs
 
-    layout = batch["prefix_sharing"]
-    lengths = batch["attention_mask"].sum(dim=1).tolist()
-    prompts = _dpo_prompt_lengths(batch, lengths)
-    per_doc = (layout.document_ids >= 0).sum(dim=1).tolist()
-    prefix = shared_positions(layout).sum(dim=1).tolist()  # positions every row of the example reads
-    groups = example_groups(batch)
-    for first in range(0, len(groups), batch_size):  # consecutive examples stand in for a shuffled batch
-        rows = [r for group in groups[first : first + batch_size] for r in group]
-        counts.stock_padded += len(rows) * max(lengths[r] for r in rows)
-        docs = per_doc[first : first + batch_size]
-        counts.shared_padded += len(docs) * max(docs)
     for group, doc_len, p in zip(groups, per_doc, prefix, strict=True):
         rows = [lengths[r] for r in group]
         shared_p = p + 1 if p else 0  # the prefix plus the copy of its last token heading each branch
@@ -681,6 +1029,24 @@ def _count_batch(counts: _PreferenceCounts, batch, batch_size: int) -> None:
         counts.no_prefix += p == 0
 
 
+def _count_batch(counts: _PreferenceCounts, batch, batch_size: int) -> None:
+    """Add one collated chunk of DPO or reward examples (with its layout) to `counts`."""
+    from ..examples import example_groups
+    from ..layout import shared_positions
+
+    layout = batch["prefix_sharing"]
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    per_doc = (layout.document_ids >= 0).sum(dim=1).tolist()
+    groups = example_groups(batch)
+    for first in range(0, len(groups), batch_size):  # consecutive examples stand in for a shuffled batch
+        rows = [r for group in groups[first : first + batch_size] for r in group]
+        counts.stock_padded += len(rows) * max(lengths[r] for r in rows)
+        docs = per_doc[first : first + batch_size]
+        counts.shared_padded += len(docs) * max(docs)
+    prefix = shared_positions(layout).sum(dim=1).tolist()  # positions every row of the example reads
+    _count_examples(counts, per_doc, prefix, lengths, groups, _dpo_prompt_lengths(batch, lengths))
+
+
 def _measure_preferences(dataset, base, pad_token_id: int, batch_size: int) -> _PreferenceCounts:
     """Collate the prepared examples with prefix sharing, each example on its own (what every micro-batch saves; one
     that holds several pairs of a prompt saves more), and count."""
@@ -697,6 +1063,94 @@ def _measure_preferences(dataset, base, pad_token_id: int, batch_size: int) -> _
     return counts
 
 
+def plan_rows(rows: list[list[int]], examples: list[int], pad_token_id: int, score_padding: bool = False):
+    """What the layout training builds makes of one micro-batch's stock rows (right-padded to the longest with
+    `pad_token_id`), each example on its own (`examples[r]`: the example of row r, numbered from 0 in order): per
+    example, the positions of its shared row and its shared prefix (the positions more than one of its rows read).
+    From the layout's plan (`plan_layout`), without assembling the shared rows."""
+    import torch
+
+    from ..layout import plan_layout
+
+    width = max(map(len, rows))
+    input_ids = torch.tensor([row + [pad_token_id] * (width - len(row)) for row in rows])
+    attention_mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
+    plan = plan_layout(
+        input_ids,
+        attention_mask,
+        examples=torch.tensor(examples),
+        across_examples=False,
+        score_padding=score_padding,
+    )
+    documents = int(plan.num_documents)
+    # a document's first row reads nothing before it (`first_new` 0); each later row reads `first_new` positions
+    prefix = torch.zeros(documents, dtype=torch.long).scatter_reduce(0, plan.document, plan.first_new, "amax")
+    return plan.document_lengths[:documents].tolist(), prefix.tolist()
+
+
+def _batches(dataset, batch_size: int, what: str):
+    """The examples of `dataset` in micro-batches of `batch_size` consecutive examples (a list of dicts each)."""
+    from tqdm.auto import tqdm
+
+    chunk = max(256 // batch_size, 1) * batch_size
+    for start in tqdm(range(0, len(dataset), chunk), desc=what, disable=len(dataset) <= 4 * chunk):
+        rows = dataset[start : start + chunk]
+        examples = [dict(zip(rows, values, strict=True)) for values in zip(*rows.values(), strict=True)]
+        for first in range(0, len(examples), batch_size):
+            yield examples[first : first + batch_size]
+
+
+def _measure_paired(dataset, pad_token_id: int, batch_size: int, score_padding: bool) -> _PreferenceCounts:
+    """ORPO/CPO: each micro-batch's chosen and rejected rows laid out as training lays them out (both rows of an
+    example after one copy of their common start; with `score_padding`, each row's padding computed too), counted
+    with and without the padding scored."""
+    counts = _PreferenceCounts()
+    columns = ["chosen_input_ids", "rejected_input_ids", "chosen_labels"]
+    for batch in _batches(dataset.select_columns(columns), batch_size, "Measuring"):
+        rows, prompts = paired_rows(batch)
+        n = len(batch)
+        examples = list(range(n)) * 2
+        lengths = [len(row) for row in rows]
+        per_doc, prefix = plan_rows(rows, examples, pad_token_id)
+        _count_examples(counts, per_doc, prefix, lengths, [[e, n + e] for e in range(n)], prompts + prompts)
+        unscored = n * max(per_doc)  # the shared rows: one per example, as wide as the longest
+        scored = n * max(plan_rows(rows, examples, pad_token_id, score_padding=True)[0])
+        counts.stock_padded += len(rows) * max(lengths)
+        counts.shared_padded += scored if score_padding else unscored
+        counts.other_padded += unscored if score_padding else scored
+    return counts
+
+
+def _measure_kto(dataset, pad_token_id: int, args) -> _PreferenceCounts:
+    """KTO: each micro-batch's main and KL rows as the reference pass lays them out (an example's two rows after one
+    copy of their prompt), and its training step: the policy's gradient pass (weighted 3) merged with the KL rows
+    where `--prefix_sharing_merge_kl` says (else the main rows, then the KL rows in a pass without gradients, where
+    different prompts share nothing), the reference pass over both."""
+    from ..kto_trainer import MERGE_PROMPT_RATIO
+
+    counts = _PreferenceCounts()
+    columns = ["prompt_ids", "completion_ids", "KL_completion_ids"]
+    max_length = args.max_length or None
+    for batch in _batches(dataset.select_columns(columns), args.per_device_train_batch_size, "Measuring"):
+        main, kl, prompts = kto_rows(batch, max_length)
+        n = len(batch)
+        lengths = [len(row) for row in main + kl]
+        per_doc, prefix = plan_rows(main + kl, list(range(n)) * 2, pad_token_id)
+        _count_examples(counts, per_doc, prefix, lengths, [[e, n + e] for e in range(n)], prompts + prompts)
+        main_padded, kl_padded = n * max(lengths[:n]), n * max(lengths[n:])
+        shared = n * max(per_doc)  # the merged shared rows: one per example, as wide as the longest
+        counts.stock_padded += main_padded + kl_padded
+        counts.shared_padded += shared
+        merge = args.prefix_sharing_merge_kl
+        if merge is None:  # the trainer's rule: the batch's prompt tokens against its KL completion tokens
+            merge = sum(prompts) > MERGE_PROMPT_RATIO * (sum(lengths[n:]) - sum(prompts))
+        counts.batches += 1
+        counts.merged += merge
+        counts.step_stock += 3 * main_padded + kl_padded + main_padded + kl_padded
+        counts.step_shared += shared + (3 * shared if merge else 3 * main_padded + kl_padded)
+    return counts
+
+
 def _packing(units: list[int], batch_size: int, n: int) -> tuple[int, float, float]:
     """Row length (the trainer's default `packing_length`), efficiency, positions per example."""
     from ..sampler import MultipackSampler
@@ -706,80 +1160,188 @@ def _packing(units: list[int], batch_size: int, n: int) -> tuple[int, float, flo
     return length, sampler.efficiency(), len(sampler) * length / n
 
 
-def _print_preference_report(args, counts: _PreferenceCounts) -> None:
-    max_length, batch_size = args.max_length or None, args.per_device_train_batch_size
-    n = len(counts.shared_lens)
-    linear = counts.stock_tokens / max(counts.shared_tokens, 1)
-    attention = counts.stock_attention / max(counts.shared_attention, 1)
-    shared_len, shared_eff, shared_packed = _packing(counts.shared_units, batch_size, n)
-    unshared_len, unshared_eff, unshared_packed = _packing(counts.unshared_units, batch_size, n)
-    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
-    ratio = median(counts.shared_lens) / max(median(counts.rest_lens), 1)
+_WIDTH = 42
+
+
+def _line(label: str, text: str) -> None:
+    print(f"  {label:<{_WIDTH}}{text}")
+
+
+def _limits(args) -> str:
+    """How the trainer limits the examples' length, for the report's first line."""
+    max_length = args.max_length or None
     if args.trainer == "dpo":
-        limits = f"max_length={max_length}, truncation {args.truncation_mode}"
-    else:
-        limits = f"max_length={max_length}" + (": longer examples dropped" if max_length else "")
-    width = 42
-    print(f"Dataset {args.dataset_name} ({_count(n, 'example')} after TRL's preprocessing; {args.trainer}, {limits})")
+        return f"max_length={max_length}, truncation {args.truncation_mode}"
+    if args.trainer == "reward":
+        return f"max_length={max_length}" + (": longer examples dropped" if max_length else "")
+    if args.trainer == "kto":
+        return (
+            f"max_length={max_length}, truncation keep_start; each KL row: the example's prompt and the completion "
+            f"of the example before it in its batch of {args.per_device_train_batch_size}"
+        )
+    return f"max_length={max_length}: completions cut to fit, never the prompt; BOS and EOS added as TRL does"
+
+
+def _print_lengths(args, counts: _PreferenceCounts) -> None:
+    """The report's lengths and positions per example."""
+    n, batch_size = len(counts.shared_lens), args.per_device_train_batch_size
+    rows = "main and KL rows" if args.trainer == "kto" else "completions"
     if counts.prompt_lens:
-        print(f"  {'prompt tokens:':<{width}}{_percentiles(counts.prompt_lens)}")
-    print(
-        f"  {'shared prefix tokens, computed once:':<{width}}{_percentiles(counts.shared_lens)} "
-        "(the prompt + the common start of the completions)"
+        _line("prompt tokens:", _percentiles(counts.prompt_lens))
+    _line(
+        "shared prefix tokens, computed once:",
+        f"{_percentiles(counts.shared_lens)} (the prompt + the common start of the {rows})",
     )
     if counts.common_lens:
-        print(
-            f"  {'common start of the completions:':<{width}}{_percentiles(counts.common_lens)} (in the shared prefix)"
+        _line(f"common start of the {rows}:", f"{_percentiles(counts.common_lens)} (in the shared prefix)")
+    _line("each completion after the shared prefix:", f"{_percentiles(counts.rest_lens)} (tokens, not shared)")
+    per = "positions per example, main and KL rows:" if args.trainer == "kto" else "positions per example:"
+    _line(per, f"stock {counts.stock_tokens / n:.1f}, shared {counts.shared_tokens / n:.1f} (tokens, no padding)")
+    padded = f"stock {counts.stock_padded / n:.1f}, shared {counts.shared_padded / n:.1f}"
+    if args.trainer in PREFERENCE_TRAINERS:
+        _, _, shared_packed = _packing(counts.shared_units, batch_size, n)
+        _, _, unshared_packed = _packing(counts.unshared_units, batch_size, n)
+        padded += f"; packed rows: unshared {unshared_packed:.1f}, shared {shared_packed:.1f}"
+    elif args.trainer in PAIRED_TRAINERS and args.prefix_sharing_score_padding:
+        padded += " (each stock row's padding computed too, as with prefix_sharing_score_padding=True)"
+    _line(f"with padding, batches of {batch_size}:", padded)
+    _line("examples with no shared prefix:", f"{counts.no_prefix:,}")
+    if args.trainer in PREFERENCE_TRAINERS:
+        for name, units in (("shared", counts.shared_units), ("unshared", counts.unshared_units)):
+            length, efficiency, _ = _packing(units, batch_size, n)
+            _line(f"packing, {name} rows of {length} tokens:", f"{100 * efficiency:.1f}% of row tokens used")
+
+
+def _print_speedups(args, counts: _PreferenceCounts) -> list[float]:
+    """The report's ideal speedups; returns the ones the verdict weighs (what training can deliver)."""
+    ideal = counts.stock_tokens / max(counts.shared_tokens, 1)
+    padded = counts.stock_padded / max(counts.shared_padded, 1)
+    batch_size = args.per_device_train_batch_size
+    formula = (
+        "(2p+c+c')/(p+c+c') for an example, p the shared prefix, c and c' the rest of its main and KL completions"
+        if args.trainer == "kto"
+        else "2(p+c)/(p+2c) for a pair, p the shared prefix, c the rest of a completion"
+    )
+    _line("ideal speedup, linear layers:", f"{ideal:.2f}x (stock / shared tokens, padding not counted; {formula})")
+    computed = "stock's padded rows / the shared rows: the positions each computes"
+    if args.trainer in PAIRED_TRAINERS and args.prefix_sharing_score_padding:
+        computed += "; the shared rows compute each stock row's padding too, prefix_sharing_score_padding=True"
+    _line(f"ideal with padding, batches of {batch_size}:", f"{padded:.2f}x ({computed})")
+    if args.trainer in PAIRED_TRAINERS:
+        other = not args.prefix_sharing_score_padding
+        what = (
+            "the padding computed too; the logits/chosen and logits/rejected metrics stay stock's"
+            if other
+            else "the padding not computed; only the logits/chosen and logits/rejected metrics change"
         )
-    print(
-        f"  {'each completion after the shared prefix:':<{width}}{_percentiles(counts.rest_lens)} (tokens, not shared)"
+        _line(
+            f"  prefix_sharing_score_padding={other}:",
+            f"{counts.stock_padded / max(counts.other_padded, 1):.2f}x ({what})",
+        )
+    attention = counts.stock_attention / max(counts.shared_attention, 1)
+    _line("ideal speedup, attention:", f"{attention:.2f}x (stock / shared query-key pairs, padding not counted)")
+    if args.trainer != "kto":
+        return [ideal, padded]
+    step = counts.step_stock / max(counts.step_shared, 1)
+    rule = {
+        None: "when a batch's prompt tokens exceed twice its KL completion tokens",
+        True: "prefix_sharing_merge_kl=True",
+        False: "prefix_sharing_merge_kl=False",
+    }[args.prefix_sharing_merge_kl]
+    _line(
+        "policy's gradient pass with the KL rows:",
+        f"{counts.merged} of {counts.batches:,} batches ({rule}); the others run the main rows and the KL "
+        "rows apart, where different prompts share nothing",
     )
-    print(
-        f"  {'positions per example:':<{width}}stock {counts.stock_tokens / n:.1f}, "
-        f"shared {counts.shared_tokens / n:.1f} (tokens, no padding)"
+    _line(
+        "ideal speedup of a training step:",
+        f"{step:.2f}x (with padding: the policy's main and KL passes and the reference's, a pass with gradients "
+        "weighted 3 for its backward)",
     )
-    print(
-        f"  {f'with padding, batches of {batch_size}:':<{width}}stock {counts.stock_padded / n:.1f}, "
-        f"shared {counts.shared_padded / n:.1f}; packed rows: unshared {unshared_packed:.1f}, "
-        f"shared {shared_packed:.1f}"
-    )
-    print(f"  {'examples with no shared prefix:':<{width}}{counts.no_prefix:,}")
-    print(f"  {f'packing, shared rows of {shared_len} tokens:':<{width}}{100 * shared_eff:.1f}% of row tokens used")
-    print(
-        f"  {f'packing, unshared rows of {unshared_len} tokens:':<{width}}{100 * unshared_eff:.1f}% of row tokens used"
-    )
-    print(
-        f"  {'ideal speedup, linear layers:':<{width}}{linear:.2f}x (stock / shared positions; 2(p+c)/(p+2c) for a "
-        "pair, p the shared prefix, c the rest of a completion)"
-    )
-    print(f"  {'ideal speedup, attention:':<{width}}{attention:.2f}x (stock / shared query-key pairs)")
+    return [ideal, padded, step]
+
+
+def _print_preference_report(args, counts: _PreferenceCounts) -> None:
+    n = len(counts.shared_lens)
+    examples = _count(n, "example")
+    print(f"Dataset {args.dataset_name} ({examples} after TRL's preprocessing; {args.trainer}, {_limits(args)})")
+    _line("model:", args.model_note)
+    _print_lengths(args, counts)
+    figures = _print_speedups(args, counts)
+    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
+    ratio = median(counts.shared_lens) / max(median(counts.rest_lens), 1)
     print(f"  expected training speedup from sharing (median shared prefix / rest of a completion {ratio:.2f}):")
-    for line in expected_speedup_lines(args.trainer, ratio, linear):
+    lines, expected = expected_speedups(args.trainer, ratio, figures[0], figures[1])
+    for line in lines:
         print(line)
-    print(f"  verdict: prefix sharing {_verdict(linear)} on this dataset.")
+    print(f"  verdict: prefix sharing {_verdict(min(figures + expected))} on this dataset.")
 
 
 def preference_report(dataset, tokenizer, args) -> None:
-    """The report on preference data (`--trainer dpo` or `reward`): prepared and collated as the trainer would."""
+    """The report on data with its completions (`--trainer dpo`, `reward`, `kto`, `orpo` or `cpo`): prepared as the
+    trainer prepares it, its stock rows laid out as training lays them out."""
     from ..trl_internals import check_trl_internals
 
     check_trl_internals("stats")  # the preprocessing re-derived here is still TRL's (fingerprints of its methods)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    dataset, base = _prepared_preferences(dataset, tokenizer, args)
-    counts = _measure_preferences(dataset, base, tokenizer.pad_token_id, args.per_device_train_batch_size)
+    pad, batch_size, max_length = tokenizer.pad_token_id, args.per_device_train_batch_size, args.max_length or None
+    if args.trainer in PREFERENCE_TRAINERS:
+        dataset, base = _prepared_preferences(dataset, tokenizer, args)
+        counts = _measure_preferences(dataset, base, pad, batch_size)
+    elif args.trainer == "kto":
+        with _quiet_preprocessing(dataset):
+            dataset = _preprocess("KTOTrainer", kto_dataset, dataset, tokenizer, max_length, batch_size)
+        counts = _measure_kto(dataset, pad, args) if len(dataset) else _PreferenceCounts()
+    else:
+        with _quiet_preprocessing(dataset):
+            dataset = _preprocess(TRAINER_CLASSES[args.trainer], paired_dataset, dataset, tokenizer, args.max_length)
+        counts = _measure_paired(dataset, pad, batch_size, args.prefix_sharing_score_padding)
     if not counts.shared_lens:
-        max_length = args.max_length or None
         limit = f"longer than --max_length {max_length}" if max_length else "empty after tokenization"
         raise StatsError(f"no examples left after TRL's preprocessing: all were {limit}; raise --max_length")
     _print_preference_report(args, counts)
 
 
-# --------------------------------------------------------------------------------------------------- GRPO, RLOO
+# ------------------------------------------------------------------------------------------ GRPO, RLOO, online DPO
 
 
-def prompt_lengths(dataset, tokenizer, chunk: int = 256) -> tuple[list[int], bool]:
+def _check_prompts(prompts: list, start: int) -> None:
+    for offset, prompt in enumerate(prompts):
+        if not isinstance(prompt, (str, list)) or (
+            isinstance(prompt, list) and not all(isinstance(m, dict) and "role" in m for m in prompt)
+        ):
+            raise StatsError(
+                f"row {start + offset}: 'prompt' is {_one_line(repr(prompt))[:80]}; expected text or a list of "
+                "messages (dicts with 'role' and 'content'); fix or drop the row"
+            )
+
+
+def _encode_prompts(prompts: list, chat: list[bool], tokenizer, online: bool) -> list[list[int]]:
+    """The token ids of `prompts` as the trainer tokenizes them: GRPO/RLOO (`_tokenize_prompts`) conversational ones
+    through the chat template with the generation prompt, text as it is; online DPO (`_generate`) each rendered by
+    `maybe_apply_chat_template` and tokenized without special tokens."""
+    if online:
+        from trl.data_utils import maybe_apply_chat_template
+
+        texts = [maybe_apply_chat_template({"prompt": p}, tokenizer)["prompt"] for p in prompts]
+        return tokenizer(text=texts, add_special_tokens=False)["input_ids"]
+    encoded = plain = iter(())
+    if any(chat):
+        messages = [p for p, c in zip(prompts, chat, strict=True) if c]
+        encoded = iter(
+            tokenizer.apply_chat_template(
+                conversation=messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
+    if not all(chat):
+        plain = iter(tokenizer(text=[p for p, c in zip(prompts, chat, strict=True) if not c])["input_ids"])
+    return [next(encoded) if c else next(plain) for c in chat]
+
+
+def prompt_lengths(dataset, tokenizer, chunk: int = 256, online: bool = False) -> tuple[list[int], bool]:
     """Token counts of the prompts as TRL's GRPO/RLOO trainers tokenize them (`_tokenize_prompts`): conversational
-    ones through the chat template with `add_generation_prompt=True`, text as it is. Also: whether any was
+    ones through the chat template with `add_generation_prompt=True`, text as it is; with `online`, as its online DPO
+    trainer does (the chat template applied as text, no special tokens added). Also: whether any was
     conversational."""
     from tqdm.auto import tqdm
     from trl.data_utils import is_conversational
@@ -787,27 +1349,11 @@ def prompt_lengths(dataset, tokenizer, chunk: int = 256) -> tuple[list[int], boo
     lengths, conversational = [], False
     for start in tqdm(range(0, len(dataset), chunk), desc="Tokenizing prompts", disable=len(dataset) <= 16 * chunk):
         prompts = dataset[start : start + chunk]["prompt"]
-        for offset, prompt in enumerate(prompts):
-            if not isinstance(prompt, (str, list)) or (
-                isinstance(prompt, list) and not all(isinstance(m, dict) and "role" in m for m in prompt)
-            ):
-                raise StatsError(
-                    f"row {start + offset}: 'prompt' is {_one_line(repr(prompt))[:80]}; expected text or a list of "
-                    "messages (dicts with 'role' and 'content'); fix or drop the row"
-                )
+        _check_prompts(prompts, start)
         chat = [is_conversational({"prompt": p}) for p in prompts]
+        conversational |= any(chat)
         try:
-            if any(chat):
-                conversational = True
-                messages = [p for p, c in zip(prompts, chat, strict=True) if c]
-                encoded = iter(
-                    tokenizer.apply_chat_template(
-                        conversation=messages, add_generation_prompt=True, tokenize=True, return_dict=True
-                    )["input_ids"]
-                )
-            if not all(chat):
-                texts = [p for p, c in zip(prompts, chat, strict=True) if not c]
-                plain = iter(tokenizer(text=texts)["input_ids"])
+            lengths.extend(map(len, _encode_prompts(prompts, chat, tokenizer, online)))
         except Exception as error:  # the tokenizer on the user's prompts: a template or a text it cannot take
             what, way_out = (
                 ("the chat template", "conversational prompts need a tokenizer whose chat template takes them")
@@ -818,48 +1364,82 @@ def prompt_lengths(dataset, tokenizer, chunk: int = 256) -> tuple[list[int], boo
                 f"{what} of --model_name_or_path cannot take the prompts of rows {start}-{start + len(prompts) - 1} "
                 f"({_cause(error)}); {way_out}"
             ) from None
-        lengths.extend(len(next(encoded) if c else next(plain)) for c in chat)
     return lengths, conversational
+
+
+def _completion_source(args) -> str:
+    """Where the assumed completion length comes from, for the report."""
+    online = args.trainer == "online_dpo"
+    flag, default, config = (
+        ("--max_new_tokens", MAX_NEW_TOKENS, "OnlineDPOConfig")
+        if online
+        else ("--max_completion_length", MAX_COMPLETION_LENGTH, f"{args.trainer.upper()}Config")
+    )
+    if args.completion_length != args.max_completion_length:
+        return "--completion_length"
+    return (
+        flag
+        + ("" if args.max_completion_length != default else f", TRL's {config} default")
+        + ": completions that stop at EOS are shorter; pass their typical length with --completion_length"
+    )
 
 
 def group_report(dataset, tokenizer, args) -> None:
     from ..stats import group_stats
 
-    lengths, conversational = prompt_lengths(dataset, tokenizer)
+    online = args.trainer == "online_dpo"
+    lengths, conversational = prompt_lengths(dataset, tokenizer, online=online)
     g, c = args.num_generations, args.completion_length
+    truncated = keep = 0
+    if online:  # TRL cuts the prompts' start so that prompt + completion fit `max_length`
+        keep = max(args.max_length - c, 0)
+        truncated = sum(p > keep for p in lengths)
+        lengths = [min(p, keep) for p in lengths]
     stats = group_stats(lengths, c, g)
-    config = f"{args.trainer.upper()}Config"
-    if c == args.max_completion_length:
-        source = (
-            "--max_completion_length"
-            + ("" if args.max_completion_length != MAX_COMPLETION_LENGTH else f", TRL's {config} default")
-            + ": completions that stop at EOS are shorter; pass their typical length with --completion_length"
+    if online:
+        tokenized = (
+            "chat template as text, no special tokens added"
+            if conversational
+            else "plain text, no special tokens added"
         )
+        what = f"online_dpo, {g} completions per prompt, max_length={args.max_length}"
     else:
-        source = "--completion_length"
-    tokenized = "chat template, add_generation_prompt=True" if conversational else "plain text, no chat template"
-    width = 42
-    print(f"Dataset {args.dataset_name} ({_count(len(lengths), 'prompt')}; {args.trainer}, num_generations={g})")
-    print(f"  {'assumed completion length:':<{width}}{c} tokens each ({source})")
-    print(f"  {'prompt tokens:':<{width}}{_percentiles(lengths)} ({tokenized})")
+        tokenized = "chat template, add_generation_prompt=True" if conversational else "plain text, no chat template"
+        what = f"{args.trainer}, num_generations={g}"
+    print(f"Dataset {args.dataset_name} ({_count(len(lengths), 'prompt')}; {what})")
+    _line("model:", args.model_note)
+    _line("assumed completion length:", f"{c} tokens each ({_completion_source(args)})")
+    _line("prompt tokens:", f"{_percentiles(lengths)} ({tokenized})")
+    if truncated:
+        _line(
+            "prompts cut to fit --max_length:",
+            f"{truncated:,} (their start dropped, as TRL does: {keep} prompt tokens are left beside the completion)",
+        )
     print(f"  positions per group (a prompt and its {g} completions; padding not counted):")
-    print(f"    {'stock, G(P+C):':<{width - 2}}{stats.stock_per_group:,.1f} ({g} rows of prompt + completion)")
+    print(f"    {'stock, G(P+C):':<{_WIDTH - 2}}{stats.stock_per_group:,.1f} ({g} rows of prompt + completion)")
     print(
-        f"    {'shared, P-1+G(C+1):':<{width - 2}}{stats.shared_per_group:,.1f} (the prompt once; each completion "
+        f"    {'shared, P-1+G(C+1):':<{_WIDTH - 2}}{stats.shared_per_group:,.1f} (the prompt once; each completion "
         "headed by a copy of the prompt's last token)"
     )
     if stats.empty_prompts:
-        print(f"  {'prompts with no tokens:':<{width}}{stats.empty_prompts:,} (nothing to share)")
-    print(
-        f"  {'ideal speedup, linear layers:':<{width}}{stats.linear_speedup:.2f}x (stock / shared positions), of "
-        "the passes that score the completions"
+        _line("prompts with no tokens:", f"{stats.empty_prompts:,} (nothing to share)")
+    _line(
+        "ideal speedup, linear layers:",
+        f"{stats.linear_speedup:.2f}x (stock / shared positions), of the passes that score the completions",
     )
-    print(f"  {'ideal speedup, attention:':<{width}}{stats.attention_speedup:.2f}x (stock / shared query-key pairs)")
-    print(
-        "  the scoring passes: training forward and backward, old-policy and reference log-probs; generation is not "
-        "sped up, and often takes most of a step"
-    )
-    print(f"  {'expected training speedup:':<{width}}no {args.trainer.upper()} benchmark recorded")
+    _line("ideal speedup, attention:", f"{stats.attention_speedup:.2f}x (stock / shared query-key pairs)")
+    if online:
+        print(
+            "  the scoring passes: the policy's forward and backward and the reference's log-probs; generation and "
+            "the reward model or judge are not sped up, and often take most of a step"
+        )
+    else:
+        print(
+            "  the scoring passes: training forward and backward, old-policy and reference log-probs; generation is "
+            "not sped up, and often takes most of a step"
+        )
+    name = "online DPO" if online else args.trainer.upper()
+    _line("expected training speedup:", f"no {name} benchmark recorded")
     print(f"  verdict: prefix sharing {_verdict(stats.linear_speedup)} on the scoring passes on this dataset.")
 
 
@@ -870,6 +1450,7 @@ def run(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     offline = go_offline_if_unreachable(args.model_name_or_path, args.dataset_name)
     tokenizer = load_tokenizer(args.model_name_or_path, offline, args.trust_remote_code)
+    args.model_note = check_model(args.model_name_or_path, args.trainer, args.trust_remote_code)
     dataset = load_split(args, offline)
     if args.max_examples:
         dataset = dataset.select(range(min(args.max_examples, len(dataset))))
