@@ -2,12 +2,17 @@
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+
+from trl_prefix_sharing.cli.quiet import STARTUP_LINES
 
 
 pytestmark = pytest.mark.long  # starts other processes: `bash scripts/test.sh --all`
@@ -115,16 +120,7 @@ def test_reward_with_yaml_recipe_and_lora(workspace):
     assert model(input_ids=torch.tensor([[5, 6, 7]])).logits.shape == (1, 1)
 
 
-@pytest.mark.parametrize(
-    "dataset,model,message",
-    [
-        ("./missing.jsonl", "model", "not found: no such file or directory"),
-        ("bad.jsonl", "model", "needs 'chosen' and 'rejected'"),
-        ("prefs.jsonl", "bloom", "can never support 'bloom': its ALiBi attention biases"),
-    ],
-)
-def test_clear_errors_before_heavy_work(workspace, dataset, model, message):
-    (workspace / "bad.jsonl").write_text(json.dumps({"prompt": "w1", "answer": "w2"}) + "\n")
+def test_unsupported_model_before_heavy_work(workspace):
     if not (workspace / "bloom").exists():
         from transformers import BloomConfig, BloomForCausalLM
 
@@ -136,9 +132,9 @@ def test_clear_errors_before_heavy_work(workspace, dataset, model, message):
         + [
             "dpo",
             "--model_name_or_path",
-            str(workspace / model),
+            str(workspace / "bloom"),
             "--dataset_name",
-            dataset,
+            "prefs.jsonl",
             "--output_dir",
             str(workspace / "err_out"),
             "--prefix_sharing",
@@ -147,8 +143,134 @@ def test_clear_errors_before_heavy_work(workspace, dataset, model, message):
         ],
         cwd=workspace,
     )
-    assert proc.returncode != 0
-    assert message in proc.stderr
+    assert proc.returncode == 2
+    assert "can never support 'bloom': its ALiBi attention biases" in proc.stderr
+
+
+#: the files the rows of the "Bad inputs" table in docs/cli.md name, as the table describes them
+BAD_FILES = {
+    "empty.jsonl": "",
+    "blank.jsonl": "  \n\n \t\n",
+    "invalid.jsonl": "{not json\n",
+    "header.csv": "prompt,chosen,rejected\n",
+    "answer.jsonl": json.dumps({"prompt": "w1 w2", "answer": "w3"}) + "\n",
+    "text.jsonl": json.dumps({"text": "w1 w2 w3"}) + "\n",
+    "promt.jsonl": json.dumps({"promt": "w1 w2", "chosen": "w3", "rejected": "w4"}) + "\n",
+    "typo.yaml": "prefix_shraing: true\n",
+    "broken.yaml": "learning_rate: [1.0e-6\n",
+}
+#: what every row's command gets before the row's own arguments (docs/cli.md says so above the table)
+BAD_INPUT_BASE = [
+    "--model_name_or_path",
+    "model",
+    "--dataset_name",
+    "prefs.jsonl",
+    "--output_dir",
+    "out",
+    "--bf16",
+    "false",
+    "--use_cpu",
+    "true",
+]
+
+
+def bad_input_rows() -> list[tuple[str, str, int, str]]:
+    """(the command line after `trl-prefix-sharing`, the message, the exit status, where it is found) of each row of
+    the table under "## Bad inputs" in docs/cli.md."""
+    text = (Path(__file__).parent.parent / "docs" / "cli.md").read_text()
+    section = text.split("\n## Bad inputs\n", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [cell.strip().replace("\\|", "|") for cell in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+        if not line.startswith("| `") or len(cells) != 5:
+            continue
+        command, _, message, status, found = cells
+        rows.append((_code(command), _code(message), int(status), found))
+    return rows
+
+
+def _code(cell: str) -> str:
+    """The text of a Markdown code span: the cell without the backticks around it (one on each side, or two around a
+    text that holds one)."""
+    ticks = "``" if cell.startswith("``") else "`"
+    assert cell.startswith(ticks) and cell.endswith(ticks), cell
+    return cell[len(ticks) : -len(ticks)].strip()
+
+
+#: the start of the lines a launched training process prints on every run, bad input or not: accelerate's notice of
+#: the launch values it defaulted (three kinds of line), and the start-up lines `cli/quiet.py` drops in the launcher
+HARMLESS = (
+    "The following values were not passed to `accelerate launch`",
+    "\t`--",
+    "To avoid this warning pass in values",
+    *(prefix for _, prefix in STARTUP_LINES.values()),
+)
+#: and transformers' notice that TRL's configs set the deprecated `gradient_checkpointing` (with its source line)
+DEPRECATED_FIELD = "FutureWarning: `gradient_checkpointing` is deprecated"
+
+
+def _without_harmless(lines: list[str]) -> list[str]:
+    kept, after_warning = [], False
+    for line in lines:
+        if not line.startswith(HARMLESS) and DEPRECATED_FIELD not in line and not after_warning:
+            kept.append(line)
+        after_warning = DEPRECATED_FIELD in line
+    return kept
+
+
+BAD_INPUT_ROWS = bad_input_rows()
+
+
+def test_bad_inputs_table_is_read():
+    assert len(BAD_INPUT_ROWS) >= 15
+    assert {found for *_, found in BAD_INPUT_ROWS} == {"before launch", "training process"}
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(request, workspace):
+    """The runs of the table's rows that this session tests ({command: its future}), a few at a time: most of a run
+    is the launcher importing TRL and torch, on one core."""
+    for name, content in BAD_FILES.items():
+        (workspace / name).write_text(content)
+
+    def run(command):
+        name, *args = shlex.split(command)
+        return _run(_console_script() + [name, *BAD_INPUT_BASE, *args], cwd=workspace, timeout=300)
+
+    selected = [
+        item.callspec.params["command"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_bad_input_is_one_line"
+    ]
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        yield {command: pool.submit(run, command) for command in selected}
+
+
+@pytest.mark.parametrize("command, message, status, found", BAD_INPUT_ROWS, ids=[row[0] for row in BAD_INPUT_ROWS])
+def test_bad_input_is_one_line(bad_input_runs, command, message, status, found):
+    """Every row of the "Bad inputs" table of docs/cli.md, run: exit status 2 and one line on stderr holding the
+    documented message (`...` in it stands for a part left out). A bad input found before launch starts no process,
+    and nothing else is printed; one found in the training process follows the start-up lines that process prints
+    on every run (`HARMLESS`, `DEPRECATED_FIELD`)."""
+    proc = bad_input_runs[command].result()
+    lines = proc.stderr.splitlines()
+    if found == "training process":
+        lines = _without_harmless(lines)
+    assert proc.returncode == status == 2, proc.stderr[-3000:]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    position = 0
+    for part in (part.strip() for part in message.split("...")):  # in order
+        found_at = lines[0].find(part, position)
+        assert found_at >= 0, f"{part!r} not in {lines[0][position:]!r}"
+        position = found_at + len(part)
+
+
+def test_command_help_prints_the_usage(workspace):
+    """A bad argument is one line; `--help` still prints the whole usage."""
+    proc = _run(_console_script() + ["dpo", "--help"], cwd=workspace)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("usage: trl-prefix-sharing dpo [-h]")
+    assert "--prefix_sharing" in proc.stdout and "--lr_scheduler_type" in proc.stdout
 
 
 def test_dpo_parquet_dataset_on_two_processes(workspace):
@@ -227,7 +349,7 @@ def test_online_trainers_with_sharing(workspace, command):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     if command != "online_dpo":
-        assert "Prefix sharing: the first training batch computes" in proc.stdout + proc.stderr
+        assert "Prefix sharing: the first training forward computes" in proc.stdout + proc.stderr
     assert (out / "model.safetensors").exists()
 
 

@@ -165,3 +165,24 @@ def test_no_rows_left_after_trl_drops_the_long_ones(tmp_path, tokenizer):
     dataset = Dataset.from_dict({"prompt": ["a b c d e f g h"] * 2, "chosen": ["x"] * 2, "rejected": ["y"] * 2})
     with pytest.raises(ValueError, match=r"left none of the 2 examples of the train dataset.*`max_length` \(4\)"):
         _ours("dpo", tmp_path, tokenizer, dataset, max_length=4)
+
+
+def test_an_unknown_dpo_loss_type_is_refused_at_once(tmp_path):
+    """TRL's DPO trainer fails only at its first step; the config says so when it is made."""
+    from trl_prefix_sharing import DPOConfig
+
+    with pytest.raises(ValueError, match=r"^Unknown DPO `loss_type` 'nope'; TRL's DPO trainer knows sigmoid, hinge"):
+        DPOConfig(output_dir=str(tmp_path), loss_type=["sigmoid", "nope"], **CPU_RUN)
+    assert DPOConfig(output_dir=str(tmp_path), loss_type=["sigmoid", "sft"], **CPU_RUN).loss_type == ["sigmoid", "sft"]
+
+
+def test_the_loss_types_documented_are_those_trl_computes():
+    """The check's list (TRL's `loss_type` help) is exactly the loss types TRL's `_compute_loss` branches on."""
+    import inspect
+
+    import trl
+
+    from trl_prefix_sharing.config import dpo_loss_types
+
+    computed = set(re.findall(r'loss_type == "([a-z_]+)"', inspect.getsource(trl.DPOTrainer._compute_loss)))
+    assert len(computed) >= 10 and set(dpo_loss_types()) == computed

@@ -3,6 +3,7 @@ and `RLOOConfig` plus the prefix-sharing fields."""
 
 from __future__ import annotations
 
+import re
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -283,6 +284,21 @@ class DPOConfig(trl.DPOConfig, PrefixSharingArguments, PackingArguments):
         super().__post_init__()
         self._check_prefix_sharing_arguments()
         self._check_packing_arguments()
+        check_dpo_loss_types(self.loss_type)
+
+
+def dpo_loss_types() -> list[str]:
+    """The loss types TRL's `DPOConfig` documents (its `loss_type` field's help), in its order."""
+    help_text = trl.DPOConfig.__dataclass_fields__["loss_type"].metadata["help"]
+    return re.findall(r"`'([a-z_]+)'`", help_text)
+
+
+def check_dpo_loss_types(loss_types) -> None:
+    """An error at once for a `loss_type` TRL's DPO trainer does not know (TRL itself fails at the first step)."""
+    known = dpo_loss_types()
+    unknown = [name for name in loss_types if name not in known]
+    if known and unknown:
+        raise ValueError(f"Unknown DPO `loss_type` {unknown[0]!r}; TRL's DPO trainer knows {', '.join(known)}.")
 
 
 @dataclass

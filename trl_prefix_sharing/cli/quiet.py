@@ -9,10 +9,11 @@ in `scripts/demo.py`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 
-__all__ = ["quiet_unused_backends"]
+__all__ = ["lines_dropped", "quiet_unused_backends"]
 
 #: library -> (its logger, the start of the line it logs at start-up)
 STARTUP_LINES = {
@@ -39,3 +40,17 @@ def quiet_unused_backends(*libraries: str) -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropLine) and f.prefix == prefix for f in logger.filters):
             logger.addFilter(_DropLine(prefix))
+
+
+@contextlib.contextmanager
+def lines_dropped(lines: dict[str, str]):
+    """Drop the lines of `lines` ({logger name: the start of the line}) while the block runs: for a line whose
+    content an error raised in the block reports (see `train._load_local`)."""
+    filters = {name: _DropLine(prefix) for name, prefix in lines.items()}
+    for name, line_filter in filters.items():
+        logging.getLogger(name).addFilter(line_filter)
+    try:
+        yield
+    finally:
+        for name, line_filter in filters.items():
+            logging.getLogger(name).removeFilter(line_filter)
