@@ -72,14 +72,7 @@ class ConcatenatedSharingMixin(PrefixSharingMixin):
 
     def __init__(self, model=None, args=None, *more, **kwargs):
         """Exactly the arguments of the TRL trainer."""
-        given = self._trl_arguments((model, args, *more), kwargs)
-        self._init_prefix_sharing(
-            model,
-            args,
-            given.get("processing_class"),
-            given.get("peft_config"),
-            {"train": given.get("train_dataset"), "eval": given.get("eval_dataset")},
-        )
+        self._init_prefix_sharing_from((model, args, *more), kwargs)
         super().__init__(model, args, *more, **kwargs)
         self._finish_prefix_sharing_init()
         if self.prefix_sharing and not (self.args.bf16 or self.args.fp16):

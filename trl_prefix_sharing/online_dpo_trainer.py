@@ -54,14 +54,7 @@ class OnlineDPOTrainer(PrefixSharingMixin, _TRLOnlineDPOTrainer):
 
     def __init__(self, model, ref_model=None, reward_funcs=None, args=None, *more, **kwargs):
         """Exactly the arguments of TRL's experimental `OnlineDPOTrainer`."""
-        given = self._trl_arguments((model, ref_model, reward_funcs, args, *more), kwargs)
-        self._init_prefix_sharing(
-            model,
-            args,
-            given.get("processing_class"),
-            given.get("peft_config"),
-            {"train": given.get("train_dataset"), "eval": given.get("eval_dataset")},
-        )
+        self._init_prefix_sharing_from((model, ref_model, reward_funcs, args, *more), kwargs)
         super().__init__(model, ref_model, reward_funcs, args, *more, **kwargs)
         self._finish_prefix_sharing_init()
 

@@ -152,10 +152,18 @@ class _ArgumentsChecked:
                 check_prompt_column(dataset, name)
         self._dataset_sizes = dataset_sizes(datasets)
 
-    def _trl_arguments(self, args: tuple, kwargs: dict) -> dict:
-        """The arguments a trainer's `__init__` got, by the names of TRL's `__init__` (defaults left out)."""
+    def _init_prefix_sharing_from(self, args: tuple, kwargs: dict) -> None:
+        """`_init_prefix_sharing` with the arguments a trainer's `__init__` got and hands on to TRL's as they are,
+        read by the names of TRL's `__init__`."""
         trl_class = next(cls for cls in type(self).__mro__ if cls.__module__.startswith("trl."))
-        return inspect.signature(trl_class.__init__).bind(self, *args, **kwargs).arguments
+        given = inspect.signature(trl_class.__init__).bind(self, *args, **kwargs).arguments
+        self._init_prefix_sharing(
+            given.get("model"),
+            given.get("args"),
+            given.get("processing_class"),
+            given.get("peft_config"),
+            {"train": given.get("train_dataset"), "eval": given.get("eval_dataset")},
+        )
 
     def _check_rows_left(self) -> None:
         datasets = {"train": self.train_dataset, "eval": self.eval_dataset}
