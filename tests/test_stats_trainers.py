@@ -8,53 +8,11 @@ import json
 import warnings
 
 import pytest
+from test_stats_cli import _CHAT, _CHAT_IMPLICIT, _IMPLICIT, _THINKING_TEMPLATE, _assistant, _user
+from test_stats_cli import _PLAIN as _PAIRS  # awkward pairs: the same data the DPO and reward comparisons use
 
 
-def _user(text):
-    return {"role": "user", "content": text}
-
-
-def _assistant(text):
-    return {"role": "assistant", "content": text}
-
-
-#: a long prompt (12 tokens) for the truncation cases
-_LONG = " ".join(f"w{i}" for i in range(20, 32))
-#: explicit prompts: a one-token prompt, an empty completion, one already ending with EOS, a prompt ending inside a
-#: word (its last token merges with the completion's first), a prompt longer than the tests' `max_length` (7)
-_PAIRS = [
-    {"prompt": "w1", "chosen": " w2 w3", "rejected": " w4"},
-    {"prompt": "w1 w2 w3", "chosen": "", "rejected": " w5 w6 w7 w8"},
-    {"prompt": "w9 w10", "chosen": " w11<eos>", "rejected": " w12 w13"},
-    {"prompt": "w1 w", "chosen": "2 w3", "rejected": "4 w5 w6"},
-    {"prompt": _LONG, "chosen": " w40", "rejected": " w41 w42"},
-    {"prompt": "w1 w2 w3 w4 w5 w6 w7", "chosen": " w8 w9", "rejected": " w8 w10"},
-]
-#: implicit prompts (the start `chosen` and `rejected` share), one with none at all
-_IMPLICIT = [
-    {"chosen": "w1 w2 w3 w4", "rejected": "w1 w2 w5"},
-    {"chosen": "w6", "rejected": "w6 w7"},
-    {"chosen": "w1 w2", "rejected": "w3 w4"},
-]
-_CHAT = [
-    {"prompt": [_user("w1")], "chosen": [_assistant("w2 w3")], "rejected": [_assistant("w4")]},
-    {"prompt": [_user("w1 w2")], "chosen": [_assistant("")], "rejected": [_assistant("w5 w6")]},
-    {
-        "prompt": [_user("w1"), _assistant("w2 w3"), _user(_LONG)],
-        "chosen": [_assistant("w7")],
-        "rejected": [_assistant("w8 w9")],
-    },
-]
-_CHAT_IMPLICIT = [
-    {"chosen": [_user("w1 w2"), _assistant("w3")], "rejected": [_user("w1 w2"), _assistant("w4 w5")]},
-    {"chosen": [_user("w6"), _assistant("")], "rejected": [_user("w6"), _assistant("w7")]},
-]
 _TOOLS = [{"type": "function", "function": {"name": "w50"}}]
-#: a chat template that renders a prompt alone with an opening thought block, which the whole conversation lacks
-_THINKING_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|> {{ message['content'] }} <|end|> {% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|> w199 {% endif %}"
-)
 _PAIRED = {"plain": _PAIRS, "implicit": _IMPLICIT, "chat": _CHAT, "chat_implicit": _CHAT_IMPLICIT}
 
 

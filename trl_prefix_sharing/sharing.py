@@ -146,10 +146,9 @@ class _ArgumentsChecked:
     def _check_datasets(self, datasets: dict) -> None:
         """Clear errors for an empty dataset and (with prefix sharing) a misspelt prompt column; the row counts kept
         for `_finish_prefix_sharing_init`, which checks that TRL's preprocessing left some."""
+        check = check_prompt_column if self.prefix_sharing else check_not_empty  # both refuse an empty dataset
         for name, dataset in datasets.items():
-            check_not_empty(dataset, name)
-            if self.prefix_sharing:
-                check_prompt_column(dataset, name)
+            check(dataset, name)
         self._dataset_sizes = dataset_sizes(datasets)
 
     def _init_prefix_sharing_from(self, args: tuple, kwargs: dict) -> None:

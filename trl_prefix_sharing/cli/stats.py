@@ -573,18 +573,6 @@ def check_model(name: str, trainer: str, trust_remote_code: bool = False) -> str
     )
 
 
-#: the columns each trainer with data completions takes (beyond DPO's and the reward trainer's, from their trainers)
-KTO_COLUMNS = (
-    ({"prompt", "completion", "label"}, {"chosen", "rejected"}),
-    "a KTO dataset needs 'prompt', 'completion' and 'label' (unpaired), or 'chosen' and 'rejected' (pairs, which TRL "
-    "unpairs), text or conversational.",
-)
-PAIRED_COLUMNS = (
-    ({"chosen", "rejected"},),
-    "a preference dataset needs 'chosen' and 'rejected' (and optionally 'prompt'), text or conversational.",
-)
-
-
 def _check_columns(dataset, args) -> None:
     from ..validation import check_prompt_column
 
@@ -612,13 +600,11 @@ def _check_columns(dataset, args) -> None:
                 "the tokens of images"
             )
         return
-    from ..dpo_trainer import DPO_COLUMNS
-    from ..reward_trainer import REWARD_COLUMNS
     from ..validation import check_dataset_columns
+    from .train import columns_needed
 
-    accepted = {"dpo": DPO_COLUMNS, "reward": REWARD_COLUMNS, "kto": KTO_COLUMNS}.get(args.trainer, PAIRED_COLUMNS)
     try:
-        check_dataset_columns(dataset, args.dataset_train_split, *accepted)
+        check_dataset_columns(dataset, args.dataset_train_split, *columns_needed(args.trainer))
     except ValueError as error:
         hint = ""
         if "prompt" in columns and not {"chosen", "rejected", "completions", "completion"} & columns:
