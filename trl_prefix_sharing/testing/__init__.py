@@ -28,6 +28,7 @@ __all__ = [
     "make_config",
     "make_model",
     "load_demo_dataset",
+    "load_demo_chat",
     "synthetic_pairs",
     "synthetic_prompts",
 ]
@@ -537,6 +538,39 @@ def load_demo_dataset():
 
     text = resources.files("trl_prefix_sharing").joinpath("data/demo_preferences.jsonl").read_text()
     return Dataset.from_list([json.loads(line) for line in text.splitlines() if line.strip()])
+
+
+def load_demo_chat(pairs: str = "all"):
+    """The chat preference dataset shipped with the package (`data/demo_chat.json`), conversational: 24 English
+    questions to a library's help desk behind one long system prompt (about 200 tokens), each with three answers
+    written for the package and ranked best first (about 15 to 50 tokens each).
+
+    Args:
+        pairs (`str`, *optional*, defaults to `"all"`):
+            `"all"`: the three pairs of each question (best over middling, best over worst, middling over worst),
+            listed question by question; `"best_worst"`: one pair per question.
+
+    Returns:
+        `datasets.Dataset`: `prompt` (system and user messages), `chosen` and `rejected` (one assistant message each).
+    """
+    from datasets import Dataset
+
+    if pairs not in ("all", "best_worst"):
+        raise ValueError(f"`pairs` must be 'all' or 'best_worst', got {pairs!r}.")
+    data = json.loads(resources.files("trl_prefix_sharing").joinpath("data/demo_chat.json").read_text())
+    ranks = [(0, 1), (0, 2), (1, 2)] if pairs == "all" else [(0, 2)]
+    rows = []
+    for item in data["questions"]:
+        prompt = [{"role": "system", "content": data["system"]}, {"role": "user", "content": item["question"]}]
+        for better, worse in ranks:
+            rows.append(
+                {
+                    "prompt": prompt,
+                    "chosen": [{"role": "assistant", "content": item["answers"][better]}],
+                    "rejected": [{"role": "assistant", "content": item["answers"][worse]}],
+                }
+            )
+    return Dataset.from_list(rows)
 
 
 def _words(rng: random.Random, n: int) -> str:
