@@ -2,13 +2,18 @@
 
     python scripts/benchmark.py --mode cpu --out docs/benchmarks      # ~10 minutes on 2 cores
     python scripts/benchmark.py --mode gpu --out docs/benchmarks      # CUDA, bf16, FlexAttention, ~0.5B model
+    python scripts/benchmark.py --model smollm2 --kinds dpo --profiles HH-RLHF,TLDR,UltraFeedback --pairs 4 \
+        --repeats 3 --length-scale 0.25 --out docs/benchmarks/smollm2   # a real model (below), ~9 minutes on 2 cores
 
-Every variant trains the same randomly initialised model on the same pairs, in one process. After a warm-up epoch
-each, the variants' timed epochs are interleaved (rotating order), and throughput comes from the median epoch: results
-are ratios to stock TRL from the same run, since the machine is noisy. Also reported: token positions the model runs
-(padding included), activation memory (bytes autograd saves for backward), peak GPU memory (GPU mode), packing
-efficiency, and the sharing speedup's share of the ideal linear-layer speedup `2(p+c)/(p+2c)` measured on the data
-(stock tokens / shared tokens). Writes `<mode>.md`, `<mode>.json` and `<mode>_speedup.png` to `--out`.
+Every variant trains the same model (randomly initialised, or with `--model smollm2` SmolLM2-135M-Instruct's trained
+weights and tokenizer, loaded offline by `trl_prefix_sharing.testing.real_model`) on the same pairs, in one process.
+After a warm-up epoch each, the variants' timed epochs are interleaved (rotating order), and throughput comes from the
+median epoch: results are ratios to stock TRL from the same run, since the machine is noisy. Also reported: token
+positions the model runs (padding included), activation memory (bytes autograd saves for backward), peak GPU memory
+(GPU mode), packing efficiency, and the sharing speedup's share of the ideal linear-layer speedup `2(p+c)/(p+2c)`
+measured on the data (stock tokens / shared tokens). Writes `<mode>.md`, `<mode>.json` and `<mode>_speedup.png` to
+`--out`. The synthetic texts are random words that are each one token of the model's tokenizer (with SmolLM2's BPE
+tokenizer, frequent English words, checked on every text), so the profiles' lengths are token lengths.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import json
 import math
 import os
 import random
+import shlex
 import sys
 import tempfile
 import time
@@ -40,17 +46,21 @@ VARIANTS = ["stock", "sharing", "packing", "sharing+packing"]
 SDPA_VARIANT = "sharing-sdpa"
 
 
-def synthetic_dataset(profile, n, scale, seed, sigma=0.5):
+def synthetic_dataset(profile, n, scale, seed, sigma=0.5, vocabulary=None):
+    """`n` pairs of random words, lengths lognormal around the profile's medians x `scale`. `vocabulary`: the words
+    to draw from (default the tiny tokenizer's first 200; `single_token_words` for another tokenizer), each one token,
+    so that a length in words is a length in tokens."""
     from datasets import Dataset
 
     from trl_prefix_sharing.testing import WORDS
 
     p_med, c_med = PROFILES[profile]
     rng = random.Random(f"{profile}-{seed}")
+    vocabulary = vocabulary or WORDS[:200]
 
     def words(median):
         k = max(1, int(round(median * scale * math.exp(rng.gauss(0, sigma)))))
-        return " ".join(rng.choice(WORDS[:200]) for _ in range(k))
+        return " ".join(rng.choice(vocabulary) for _ in range(k))
 
     return Dataset.from_list(
         [{"prompt": words(p_med), "chosen": " " + words(c_med), "rejected": " " + words(c_med)} for _ in range(n)]
@@ -259,6 +269,8 @@ def build_model(kind, tokenizer, args):
 
     from trl_prefix_sharing.testing import make_config
 
+    if getattr(args, "model", "tiny") == "smollm2":
+        return build_smollm2(kind, args)
     if args.mode == "cpu":
         sizes = dict(hidden_size=args.hidden_size, num_layers=args.layers)
         vocab = len(tokenizer)
@@ -279,6 +291,114 @@ def build_model(kind, tokenizer, args):
     if args.mode == "gpu":
         model = model.cuda()
     return model
+
+
+# --- `--model smollm2`: SmolLM2-135M-Instruct, a real model, offline (shared with benchmark_paired/_online.py) ---
+
+MODELS = ("tiny", "smollm2")
+#: the tiny model's size options and their defaults; `--model smollm2` refuses them
+TINY_OPTIONS = {"family": "llama", "hidden_size": 256, "layers": 4}
+
+
+def add_model_options(parser):
+    """`--model`, and the tiny model's `--family/--hidden-size/--layers` (default None: `check_model_options`
+    fills in the defaults, after telling whether they were given)."""
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default="tiny",
+        help="tiny: a small random Llama from a config, with a word-level tokenizer (default); smollm2: "
+        "SmolLM2-135M-Instruct's trained weights and tokenizer (134.5M parameters, offline: "
+        "trl_prefix_sharing.testing.real_model)",
+    )
+    parser.add_argument("--family", default=None, help="tiny model only (default llama)")
+    parser.add_argument("--hidden-size", type=int, default=None, help="tiny model only (default 256)")
+    parser.add_argument("--layers", type=int, default=None, help="tiny model only (default 4)")
+
+
+def check_model_options(args):
+    """Refuse the tiny model's size options with `--model smollm2` (one line), then fill in their defaults."""
+    given = [f"--{name.replace('_', '-')}" for name in TINY_OPTIONS if getattr(args, name) is not None]
+    if args.model != "tiny" and given:
+        raise SystemExit(
+            f"error: {', '.join(given)} size the tiny model; --model {args.model} has its own size (leave them out)"
+        )
+    for name, default in TINY_OPTIONS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+
+
+def smollm2_dir():
+    """SmolLM2-135M-Instruct's model directory, or exit with the loader's one-line message when a package is
+    missing."""
+    from trl_prefix_sharing.testing.real_model import RealModelMissing, smollm2_path
+
+    try:
+        return smollm2_path()
+    except RealModelMissing as error:
+        raise SystemExit(f"error: {error}") from None
+
+
+def build_smollm2(kind, args):
+    """SmolLM2-135M-Instruct's weights: a causal LM, or for `kind == "reward"` a sequence classifier on the same
+    backbone with a fresh one-label score head (seeded)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    gpu = args.mode == "gpu"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    path = smollm2_dir()
+    torch.manual_seed(0)
+    if kind == "reward":
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=dtype, attn_implementation="sdpa"
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    return model.cuda() if gpu else model
+
+
+def describe_smollm2(model):
+    """SmolLM2-135M-Instruct's shape, from the loaded model: `SmolLM2-135M-Instruct (llama, hidden 576, ...)`."""
+    config = model.config
+    parameters = sum(p.numel() for p in model.parameters()) / 1e6  # the tied embedding counted once
+    return (
+        f"SmolLM2-135M-Instruct (trained weights, {config.model_type}, hidden {config.hidden_size}, "
+        f"{config.num_hidden_layers} layers, {config.num_attention_heads} query / {config.num_key_value_heads} "
+        f"key-value heads, vocab {config.vocab_size}, {parameters:.1f}M parameters)"
+    )
+
+
+def single_token_words(tokenizer, n=200):
+    """The first `n` lowercase words (by token id, so frequent ones first) that `tokenizer` encodes as one token both
+    alone and after a space: text of them joined by spaces has one token per word, so a synthetic length in words is
+    a length in tokens. Checked on the joined words."""
+    words = []
+    for token_id in range(len(tokenizer)):
+        text = tokenizer.decode([token_id])
+        word = text[1:]
+        if not (text.startswith(" ") and len(word) >= 3 and word.isascii() and word.isalpha() and word.islower()):
+            continue
+        if all(len(tokenizer(x, add_special_tokens=False)["input_ids"]) == 1 for x in (word, " " + word)):
+            words.append(word)
+            if len(words) == n:
+                break
+    joined = " ".join(words + words[::-1])
+    if len(words) < n or len(tokenizer(joined, add_special_tokens=False)["input_ids"]) != 2 * n:
+        raise SystemExit(f"error: the tokenizer has no {n} words of one token each")
+    return words
+
+
+def count_tokens(tokenizer, text):
+    """Tokens of `text` alone (BOS and EOS aside)."""
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def check_one_token_per_word(tokenizer, texts):
+    """Every text has as many tokens as words: the profiles' lengths, in words, are real tokens."""
+    for text in texts:
+        if count_tokens(tokenizer, text) != len(text.split()):
+            raise SystemExit(f"error: {text[:60]!r}... is not one token per word with this tokenizer")
 
 
 # the paper's speedups of Flex + prefix sharing over their FlexAttention baseline: (sharing alone, with packing)
@@ -344,16 +464,19 @@ def write_outputs(results, args, command):
     device = args.device_name
     rows = summarise(results, args)
     gpu = args.mode == "gpu"
+    tokens = ""
+    if getattr(args, "model", "tiny") != "tiny":  # words of one token each (checked on every text)
+        tokens = " in real tokens (random words that are each one token of its tokenizer)"
     lines = [
         f"# Benchmark: stock TRL vs prefix sharing vs packing ({args.mode.upper()})",
         "",
         f"Device: {device}. Model: {args.model_desc}. {args.pairs} pairs per profile, per_device_train_batch_size "
-        f"{args.batch_size}, lengths = paper medians x {args.length_scale} with lognormal spread (sigma 0.5), "
+        f"{args.batch_size}, lengths = paper medians x {args.length_scale} with lognormal spread (sigma 0.5){tokens}, "
         f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}. Each variant trains one warm-up "
         f"epoch, then {args.repeats} timed epochs interleaved with the other variants (rotating order); "
         "throughput is from the median epoch.",
         "",
-        f"Command: `{command}`",
+        f"Made by `{command}`",
         "",
         "Speedup = pairs/s of the variant / pairs/s of stock TRL in the same run. Ideal = the linear-layer ideal "
         "`2(p+c)/(p+2c)` measured on this data (stock tokens / shared tokens, padding excluded); stock also pads "
@@ -439,8 +562,9 @@ def write_outputs(results, args, command):
     plot_speedup(data, os.path.join(args.out, f"{args.mode}_speedup.png"), PROFILES)
 
 
-def quiet_setup(gpu: bool):
-    """Silence progress bars and warnings, check CUDA: (device name, the tiny tokenizer)."""
+def quiet_setup(gpu: bool, model: str = "tiny"):
+    """Silence progress bars and warnings, check CUDA: (device name, the tokenizer: the tiny word-level one, or with
+    `model="smollm2"` SmolLM2-135M-Instruct's)."""
     os.environ.setdefault("TQDM_DISABLE", "1")
     warnings.filterwarnings("ignore")
     import datasets
@@ -453,7 +577,13 @@ def quiet_setup(gpu: bool):
     hf_logging.set_verbosity_error()
     if gpu and not torch.cuda.is_available():
         raise SystemExit("--mode gpu needs CUDA.")
-    return torch.cuda.get_device_name() if gpu else f"CPU, {torch.get_num_threads()} threads", make_tokenizer()
+    if model == "smollm2":
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
+    else:
+        tokenizer = make_tokenizer()
+    return torch.cuda.get_device_name() if gpu else f"CPU, {torch.get_num_threads()} threads", tokenizer
 
 
 def main():
@@ -465,35 +595,46 @@ def main():
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=4, help="timed epochs per variant, interleaved")
     parser.add_argument("--length-scale", type=float, default=None)
-    parser.add_argument("--family", default="llama")
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
+    add_model_options(parser)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--out", default="docs/benchmarks")
     parser.add_argument(
         "--record",
         action="store_true",
-        help="also store the speedups in trl_prefix_sharing/data/measured_speedups.json (for `stats`)",
+        help="also store the speedups in trl_prefix_sharing/data/measured_speedups.json (for `stats`; tiny model "
+        "only)",
     )
     args = parser.parse_args()
+    check_model_options(args)
+    if args.record and args.model != "tiny":
+        raise SystemExit(
+            f"error: --record stores the tiny model's speedups (what `stats` quotes); not with --model {args.model}"
+        )
     gpu = args.mode == "gpu"
     args.pairs = args.pairs or (256 if gpu else 32)
     args.batch_size = args.batch_size or (8 if gpu else 4)
     args.length_scale = args.length_scale or (1.0 if gpu else 0.25)
     args.kinds = args.kinds.split(",")
-    command = "python scripts/benchmark.py " + " ".join(sys.argv[1:])
+    command = shlex.join(["python", "scripts/benchmark.py", *sys.argv[1:]])
 
-    args.device_name, tokenizer = quiet_setup(gpu)
+    args.device_name, tokenizer = quiet_setup(gpu, args.model)
+    vocabulary = single_token_words(tokenizer) if args.model != "tiny" else None
     results = {kind: {} for kind in args.kinds}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in args.kinds:
             model = build_model(kind, tokenizer, args)
-            args.model_desc = (
-                f"{args.family}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
-                f"{'bf16, FlexAttention (prefix sharing) vs SDPA (stock)' if gpu else 'fp32, SDPA'}"
-            )
+            numerics = "bf16, FlexAttention (prefix sharing) vs SDPA (stock)" if gpu else "fp32, SDPA"
+            if args.model == "tiny":
+                args.model_desc = (
+                    f"{args.family}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {numerics}"
+                )
+            else:
+                reward = "; reward: its backbone with a fresh 1-label score head" if "reward" in args.kinds else ""
+                args.model_desc = f"{describe_smollm2(model)}, {numerics}{reward}"
             for profile in args.profiles.split(","):
-                dataset = synthetic_dataset(profile, args.pairs, args.length_scale, seed=0)
+                dataset = synthetic_dataset(profile, args.pairs, args.length_scale, seed=0, vocabulary=vocabulary)
+                if vocabulary is not None:
+                    check_one_token_per_word(tokenizer, [t for row in dataset for t in row.values()])
                 results[kind][profile] = run_profile(kind, model, tokenizer, dataset, args, tmp)
                 for variant, result in results[kind][profile].items():
                     print(f"{kind} {profile} {variant}: {result}", flush=True)

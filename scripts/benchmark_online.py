@@ -3,11 +3,16 @@ activation memory.
 
     python scripts/benchmark_online.py --trainer grpo --out docs/benchmarks         # CPU, ~3 minutes on 2 idle cores
     python scripts/benchmark_online.py --trainer online_dpo --out docs/benchmarks   # G = 2, under a minute
+    python scripts/benchmark_online.py --model smollm2 --trainer grpo --profiles math-reasoning,qa --generations 4,8 \
+        --groups-per-step 1 --micro-batches 1 --repeats 3 --out docs/benchmarks/smollm2   # a real model, ~8 minutes
 
 For each profile (median prompt and completion lengths with prompt/completion ratios of about 0.3, 1, 4 and 16) and
 group size G, prompts and their G completions get lognormal lengths around the medians, and a generation batch is built
 exactly as TRL's `_generate_and_score_completions` returns it (left-padded prompts, right-padded completions, masks,
-advantages, `num_items_in_batch`). The same micro-batches go through both trainers' training step (GRPO: TRL's
+advantages, `num_items_in_batch`): random token ids of the tokenizer's vocabulary (its special tokens left out), padded
+with its pad token, each completion ending with its EOS, so lengths are tokens. `--model smollm2` runs
+SmolLM2-135M-Instruct's trained weights and tokenizer instead of a small random Llama (`--family/--hidden-size/
+--layers`). The same micro-batches go through both trainers' training step (GRPO: TRL's
 `compute_loss` and backward, `--beta > 0` adds the reference pass, as TRL computes it before the step; online DPO:
 TRL's `_forward` of the policy with backward, and of the reference). Timed repeats
 of the variants are interleaved (rotating order) and the median taken: ratios from one run, since the machine is
@@ -33,6 +38,7 @@ import copy
 import json
 import os
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -41,7 +47,7 @@ import zlib
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark import build_model, quiet_setup  # noqa: E402
+from benchmark import add_model_options, build_model, check_model_options, describe_smollm2, quiet_setup  # noqa: E402
 
 
 TITLES = {"grpo": "GRPO", "online_dpo": "Online DPO"}
@@ -58,8 +64,15 @@ def lognormal(rng, median, sigma=0.4):
     return max(1, min(3 * median, round(median * rng.lognormvariate(0, sigma))))
 
 
-def generation_batch(profile, groups, g, scale, vocab, pad, eos, seed, device):
-    """Rows of `groups` prompts x `g` generations, as TRL's generation step returns them."""
+def first_plain_id(tokenizer):
+    """The first token id above the tokenizer's special and added tokens (at least 8, the tiny tokenizer's)."""
+    special = [*tokenizer.all_special_ids, *getattr(tokenizer, "added_tokens_decoder", {})]
+    return max(8, max(special, default=0) + 1)
+
+
+def generation_batch(profile, groups, g, scale, vocab, pad, eos, seed, device, low=8):
+    """Rows of `groups` prompts x `g` generations, as TRL's generation step returns them: token ids drawn from
+    `[low, vocab)` (above the special tokens), `pad` padding, each completion ending with `eos`."""
     import torch
     from trl.trainer.utils import pad as pad_tensors
 
@@ -67,10 +80,10 @@ def generation_batch(profile, groups, g, scale, vocab, pad, eos, seed, device):
     p_median, c_median = (max(1, round(n * scale)) for n in PROFILES[profile])
     prompts, completions = [], []
     for _ in range(groups):
-        prompt = [rng.randrange(8, vocab) for _ in range(lognormal(rng, p_median))]
+        prompt = [rng.randrange(low, vocab) for _ in range(lognormal(rng, p_median))]
         for _ in range(g):
             prompts.append(prompt)
-            completions.append([rng.randrange(8, vocab) for _ in range(lognormal(rng, c_median) - 1)] + [eos])
+            completions.append([rng.randrange(low, vocab) for _ in range(lognormal(rng, c_median) - 1)] + [eos])
     prompt_ids = pad_tensors([torch.tensor(p) for p in prompts], padding_value=pad, padding_side="left")
     prompt_mask = pad_tensors(
         [torch.ones(len(p), dtype=torch.long) for p in prompts], padding_value=0, padding_side="left"
@@ -195,7 +208,7 @@ def training_step(trainer, batches, cuda, args):
     return time.perf_counter() - start, saved
 
 
-def generation_time(model, batch, cuda):
+def generation_time(model, batch, cuda, pad_token_id=0):
     """The model's own `generate` of the batch's completion length (identical in both trainers)."""
     import torch
 
@@ -208,7 +221,7 @@ def generation_time(model, batch, cuda):
             do_sample=True,
             max_new_tokens=batch["completion_ids"].shape[1],
             min_new_tokens=batch["completion_ids"].shape[1],
-            pad_token_id=0,
+            pad_token_id=pad_token_id,
         )
     if cuda:
         torch.cuda.synchronize()
@@ -275,6 +288,7 @@ def run(profile, g, model, tokenizer, args, tmp):
         tokenizer.eos_token_id,
         seed=zlib.crc32(f"{profile}/{g}".encode()),
         device=device,
+        low=first_plain_id(tokenizer),
     )
     batches = micro_batches(batch, args.rows)
     trainers = {variant: make_trainer(variant, model, tokenizer, args, tmp) for variant in ("stock", "sharing")}
@@ -286,7 +300,7 @@ def run(profile, g, model, tokenizer, args, tmp):
             times[variant].append(training_step(trainers[variant], batches, cuda, args)[0])
     counts = positions(batches, trainers["sharing"], args)
     step = {variant: statistics.median(t) for variant, t in times.items()}
-    generate = generation_time(copy.deepcopy(model), batch, cuda)
+    generate = generation_time(copy.deepcopy(model), batch, cuda, tokenizer.pad_token_id)
     ideal = counts["stock_padded_positions"] / counts["shared_padded_positions"]
     speedup = step["stock"] / step["sharing"]
     prompt_tokens = int(batch["prompt_mask"].sum()) / batch["prompt_mask"].shape[0]
@@ -313,7 +327,7 @@ def run(profile, g, model, tokenizer, args, tmp):
     }
 
 
-def write(results, args, device, command):
+def write(results, args, device, command, model_desc):
     import torch
     import transformers
     import trl
@@ -325,7 +339,7 @@ def write(results, args, device, command):
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "trl": trl.__version__,
-        "model": f"{args.family}, hidden {args.hidden_size}, {args.layers} layers",
+        "model": model_desc,
         "length_scale": args.length_scale,
         "beta": args.beta,
         "groups_per_micro_batch": args.groups_per_step,
@@ -381,19 +395,22 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--length-scale", type=float, default=None, help="default 0.25 on CPU, 1 on GPU")
     parser.add_argument("--beta", type=float, default=0.0, help="> 0 adds the reference pass (TRL's default is 0)")
-    parser.add_argument("--family", default="llama")
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
+    add_model_options(parser)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--out", default="docs/benchmarks")
     args = parser.parse_args()
+    check_model_options(args)
     args.length_scale = args.length_scale or (0.25 if args.mode == "cpu" else 1.0)
     online_dpo = args.trainer == "online_dpo"
     args.profiles = args.profiles or ("math-reasoning,chat,qa" if online_dpo else ",".join(PROFILES))
     args.generations = "2" if online_dpo else (args.generations or "4,8")
-    command = "python scripts/benchmark_online.py " + " ".join(sys.argv[1:])
-    device, tokenizer = quiet_setup(args.mode == "gpu")
+    command = shlex.join(["python", "scripts/benchmark_online.py", *sys.argv[1:]])
+    device, tokenizer = quiet_setup(args.mode == "gpu", args.model)
     model = build_model("grpo", tokenizer, args)
+    if args.model == "tiny":
+        model_desc = f"{args.family}, hidden {args.hidden_size}, {args.layers} layers"
+    else:
+        model_desc = f"{describe_smollm2(model)}, {'bf16' if args.mode == 'gpu' else 'fp32'}, SDPA"
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for profile in args.profiles.split(","):
@@ -406,7 +423,7 @@ def main():
                     flush=True,
                 )
                 results.append(result)
-    write(results, args, device, command.strip())
+    write(results, args, device, command, model_desc)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,14 @@
 activation memory, and for KTO whether merging the policy's KL rows into its gradient pass pays.
 
     python scripts/benchmark_paired.py --out docs/benchmarks      # CPU, about 5 minutes on 2 cores
+    python scripts/benchmark_paired.py --model smollm2 --profiles 256/128,1024/128 --batches 1 --repeats 3 \
+        --length-scale 0.125 --out docs/benchmarks/smollm2      # a real model (below), ~10 minutes on 2 cores
 
 For each length profile (median prompt / completion tokens with prompt/completion ratios from 0.5 to 8, scaled by
 `--length-scale`), prompts and completions get lognormal lengths around the medians (its quantiles, shuffled, so that
-the few examples of a step are centred on them; one word, one token). ORPO and CPO-SimPO (`loss_type="simpo"`,
+the few examples of a step are centred on them; random words that are each one token of the model's tokenizer, and
+the tables count the tokens with the tokenizer). `--model smollm2` runs SmolLM2-135M-Instruct's trained weights and
+tokenizer instead of a small random Llama (`--family/--hidden-size/--layers`). ORPO and CPO-SimPO (`loss_type="simpo"`,
 `cpo_alpha=0.5`) train on the pairs (prompt, chosen, rejected); KTO (`loss_type="kto"`, with a reference model) on the
 same prompts with one completion each (chosen and rejected alternately, so each batch mixes desirable and undesirable
 examples; TRL builds the KL rows by rotating the completions within each batch). Stock TRL (`trl.KTOTrainer`,
@@ -37,6 +41,7 @@ import json
 import math
 import os
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -45,7 +50,17 @@ import zlib
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark import ActivationMeter, build_model, quiet_setup  # noqa: E402
+from benchmark import (  # noqa: E402
+    ActivationMeter,
+    add_model_options,
+    build_model,
+    check_model_options,
+    check_one_token_per_word,
+    count_tokens,
+    describe_smollm2,
+    quiet_setup,
+    single_token_words,
+)
 
 
 # median (prompt, completion) tokens: prompt/completion 0.5 to 8
@@ -78,16 +93,18 @@ def lognormal_lengths(rng, median, n, sigma=0.4):
     return lengths
 
 
-def pairs(profile, n, scale, seed=0):
-    """`n` (prompt, chosen, rejected) texts with lognormal lengths around the profile's medians x `scale`."""
+def pairs(profile, n, scale, seed=0, vocabulary=None):
+    """`n` (prompt, chosen, rejected) texts with lognormal lengths around the profile's medians x `scale`, in words of
+    `vocabulary` (default the tiny tokenizer's first 200), each one token of the model's tokenizer."""
     from trl_prefix_sharing.testing import WORDS
 
     rng = random.Random(zlib.crc32(f"{profile}/{seed}".encode()))
     p_median, c_median = (max(1, round(x * scale)) for x in PROFILES[profile])
     lengths = zip(*(lognormal_lengths(rng, m, n) for m in (p_median, c_median, c_median)), strict=True)
+    vocabulary = vocabulary or WORDS[:200]
 
     def words(k):
-        return " ".join(rng.choice(WORDS[:200]) for _ in range(k))
+        return " ".join(rng.choice(vocabulary) for _ in range(k))
 
     return [{"prompt": words(p), "chosen": " " + words(c), "rejected": " " + words(r)} for p, c, r in lengths]
 
@@ -267,7 +284,9 @@ def merge_rule(batch):
 def run(kind, profile, model, ref_model, tokenizer, args, tmp):
     import torch
 
-    rows = pairs(profile, args.batches * BATCH_SIZE, args.length_scale)
+    rows = pairs(profile, args.batches * BATCH_SIZE, args.length_scale, vocabulary=args.vocabulary)
+    if args.vocabulary is not None:
+        check_one_token_per_word(tokenizer, [text for row in rows for text in row.values()])
     trainers = make_trainers(kind, model, ref_model, tokenizer, rows, args, tmp)
     for trainer in trainers.values():
         trainer.bench_batches = collated_batches(trainer, args.batches)
@@ -285,15 +304,16 @@ def run(kind, profile, model, ref_model, tokenizer, args, tmp):
             times[variant].append(training_step(trainers[variant], trainers[variant].bench_batches)[0])
     step = {variant: statistics.median(t) for variant, t in times.items()}
     stock = first["stock"][0]
-    prompt_words = [len(r["prompt"].split()) for r in rows]
-    completion_words = [len(r[key].split()) for r in rows for key in ("chosen", "rejected")]
+    # the texts' tokens with the model's tokenizer (BOS and EOS aside)
+    prompt_tokens = [count_tokens(tokenizer, r["prompt"]) for r in rows]
+    completion_tokens = [count_tokens(tokenizer, r[key]) for r in rows for key in ("chosen", "rejected")]
     if kind == "kto":
-        completion_words = [len(r["completion"].split()) for r in unpaired(rows)]
+        completion_tokens = [count_tokens(tokenizer, r["completion"]) for r in unpaired(rows)]
     result = {
         "trainer": kind,
         "profile": profile,
-        "prompt_tokens": statistics.mean(prompt_words),
-        "completion_tokens": statistics.mean(completion_words),
+        "prompt_tokens": statistics.mean(prompt_tokens),
+        "completion_tokens": statistics.mean(completion_tokens),
         "losses": [float(x) for x in first["stock"][2]],
         "step_s": step,
         "step_times_s": times,
@@ -438,6 +458,13 @@ def write(results, args, device, command, model_desc, elapsed):
     import trl
 
     os.makedirs(args.out, exist_ok=True)
+    if args.vocab < 10_000:
+        vocabulary_note = (
+            f"this vocabulary is small, {args.vocab} tokens; with a real one, tens of thousands, the logits dominate "
+            "stock's memory"
+        )
+    else:
+        vocabulary_note = f"a real vocabulary, {args.vocab} tokens: the logits dominate stock's memory"
     meta = {
         "device": device,
         "command": command,
@@ -471,7 +498,8 @@ def write(results, args, device, command, model_desc, elapsed):
         "not trivial), the policy's KL rows merged into its gradient pass (`prefix_sharing_merge_kl=True`) or in a "
         "separate pass without gradients (`False`).",
         "",
-        "*Prompt*, *completion*: mean tokens per example (one word, one token; BOS and EOS aside), *p/c* their "
+        "*Prompt*, *completion*: mean tokens per example, counted with the model's tokenizer (BOS and EOS aside; "
+        "the synthetic words are each one token of it), *p/c* their "
         "ratio. Positions: rows x width of every backbone call of a step (policy and reference), counted by a forward "
         "pre-hook. Since a pass with gradients also runs backward, the ratios weight it 3 and a pass without "
         "gradients 1 (plain positions per step are given too). *Padding* = stock positions / the real tokens of "
@@ -487,9 +515,8 @@ def write(results, args, device, command, model_desc, elapsed):
         "Activation memory: bytes autograd saves for backward, the largest batch of a step, shared / stock. ORPO and "
         "CPO: stock materialises the `[2B, L, vocab]` logits (and their log-softmax) and saves them for backward, "
         "while the shared path scores the columns with TRL's fused log-prob head and never does, so their memory "
-        f"column mixes the positions saved and the logits avoided (this vocabulary is small, {args.vocab} tokens; "
-        "with a real one, tens of thousands, the logits dominate stock's memory). KTO: stock uses the fused head "
-        "too, so its column is the positions alone.",
+        f"column mixes the positions saved and the logits avoided ({vocabulary_note}). KTO: stock uses the fused "
+        "head too, so its column is the positions alone.",
         "",
         "| trainer | profile | prompt | completion | p/c | padding | sharing ideal | shared padding | ideal | "
         "dense attention | step speedup | share of ideal | positions per step (stock / shared) | backbone calls "
@@ -552,16 +579,16 @@ def main():
     parser.add_argument("--batches", type=int, default=2, help="batches of 4 examples per training step")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per variant, interleaved")
     parser.add_argument("--length-scale", type=float, default=0.25)
-    parser.add_argument("--family", default="llama")
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
+    add_model_options(parser)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--out", default="docs/benchmarks")
     args = parser.parse_args()
+    check_model_options(args)
     args.mode = "cpu"  # for `build_model`
-    command = ("python scripts/benchmark_paired.py " + " ".join(sys.argv[1:])).strip()
+    command = shlex.join(["python", "scripts/benchmark_paired.py", *sys.argv[1:]])
     started = time.perf_counter()
-    device, tokenizer = quiet_setup(False)
+    device, tokenizer = quiet_setup(False, args.model)
+    args.vocabulary = single_token_words(tokenizer) if args.model != "tiny" else None
     import torch
 
     model = build_model("paired", tokenizer, args)
@@ -570,11 +597,14 @@ def main():
     with torch.no_grad():
         for parameter in ref_model.parameters():
             parameter.add_(0.02 * torch.randn_like(parameter))
-    args.vocab = len(tokenizer)
-    model_desc = (
-        f"{args.family}, hidden {args.hidden_size}, {args.layers} layers, vocab {args.vocab}, "
-        f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, fp32, SDPA"
-    )
+    args.vocab = model.config.vocab_size if args.model != "tiny" else len(tokenizer)
+    if args.model == "tiny":
+        model_desc = (
+            f"{args.family}, hidden {args.hidden_size}, {args.layers} layers, vocab {args.vocab}, "
+            f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, fp32, SDPA"
+        )
+    else:
+        model_desc = f"{describe_smollm2(model)}, fp32, SDPA"
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for kind in args.trainers.split(","):

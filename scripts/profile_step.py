@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+import types
 from collections import defaultdict
 
 
@@ -56,11 +57,17 @@ class Clock:
             self.step[name] += time.perf_counter() - start
 
     def wrap(self, name, fn):
+        """`fn` timed as part `name`; a bound method stays bound to its object (prefix sharing's forward reads the
+        model from the forward it wraps)."""
+
         def timed(*args, **kwargs):
             with self.part(name):
                 return fn(*args, **kwargs)
 
-        return timed
+        owner = getattr(fn, "__self__", None)
+        if owner is None:
+            return timed
+        return types.MethodType(lambda _owner, *args, **kwargs: timed(*args, **kwargs), owner)
 
 
 @contextlib.contextmanager
