@@ -173,6 +173,21 @@ def run_in_turns(trainers: dict, steps: int) -> TakeTurns:
     return turns
 
 
+def side_by_side(stock, ours, tmp, fields: dict, models: dict, **trainer_kwargs) -> dict:
+    """`{"stock TRL": trainer, "prefix sharing": trainer}`: `stock` and `ours` are (trainer class, config class); each
+    config gets `fields` and `CPU_RUN` (ours `prefix_sharing=True` too), each trainer its own deep copies of `models`
+    (e.g. `model`, `ref_model`: a prefix-sharing trainer switches the attention of the models it holds)."""
+    trainers = {}
+    for name, (trainer_cls, config_cls), extra in (
+        ("stock TRL", stock, {}),
+        ("prefix sharing", ours, {"prefix_sharing": True}),
+    ):
+        config = config_cls(output_dir=os.path.join(tmp, name.replace(" ", "_")), **CPU_RUN, **fields, **extra)
+        copies = {key: copy.deepcopy(model) for key, model in models.items()}
+        trainers[name] = trainer_cls(args=config, **copies, **trainer_kwargs)
+    return trainers
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -270,26 +285,15 @@ def main(argv=None):
     print(f"Demo: {what}; CPU, fp32, {args.steps} steps of {args.batch_size} pairs.", flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:
-        trainers = {}
-        for name in ("stock TRL", "prefix sharing"):
-            common = dict(
-                output_dir=os.path.join(tmp, name.replace(" ", "_")),
-                per_device_train_batch_size=args.batch_size,
-                max_steps=args.steps,
-                **CPU_RUN,
-                **training,
-            )
-            if name == "stock TRL":
-                trainer_cls, config = trl.DPOTrainer, trl.DPOConfig(**common)
-            else:
-                trainer_cls, config = DPOTrainer, DPOConfig(prefix_sharing=True, **common)
-            trainers[name] = trainer_cls(
-                model=copy.deepcopy(model),
-                ref_model=copy.deepcopy(model),
-                args=config,
-                train_dataset=dataset,
-                processing_class=tokenizer,
-            )
+        trainers = side_by_side(
+            (trl.DPOTrainer, trl.DPOConfig),
+            (DPOTrainer, DPOConfig),
+            tmp,
+            dict(per_device_train_batch_size=args.batch_size, max_steps=args.steps, **training),
+            models={"model": model, "ref_model": model},
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
         turns = run_in_turns(trainers, args.steps)
     report(trainers, turns, quick=args.quick)
 

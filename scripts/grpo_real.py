@@ -13,7 +13,6 @@ matplotlib (`pip install -e ".[bench]"`).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import platform
@@ -28,7 +27,7 @@ from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from demo import CPU_RUN, run_in_turns  # noqa: E402
+from demo import run_in_turns, side_by_side  # noqa: E402
 
 
 QUESTION = "What is {a} + {b}? Reply with the number only."
@@ -85,29 +84,23 @@ def make_trainers(args, model, tokenizer, dataset, tmp):
 
     from trl_prefix_sharing import GRPOConfig, GRPOTrainer
 
-    trainers = {}
-    for name in ("stock TRL", "prefix sharing"):
-        common = dict(
-            output_dir=os.path.join(tmp, name.replace(" ", "_")),
-            num_generations=args.num_generations,
-            per_device_train_batch_size=args.num_generations * args.prompts_per_step,
-            max_completion_length=args.max_completion_length,
-            learning_rate=args.learning_rate,
-            max_steps=args.steps,
-            **CPU_RUN,
-        )
-        if name == "stock TRL":
-            trainer_cls, config = trl.GRPOTrainer, trl.GRPOConfig(**common)
-        else:
-            trainer_cls, config = GRPOTrainer, GRPOConfig(prefix_sharing=True, **common)
-        trainers[name] = trainer_cls(
-            model=copy.deepcopy(model),
-            reward_funcs=[correct_sum, number_only],
-            args=config,
-            train_dataset=dataset,
-            processing_class=tokenizer,
-        )
-    return trainers
+    fields = dict(
+        num_generations=args.num_generations,
+        per_device_train_batch_size=args.num_generations * args.prompts_per_step,
+        max_completion_length=args.max_completion_length,
+        learning_rate=args.learning_rate,
+        max_steps=args.steps,
+    )
+    return side_by_side(
+        (trl.GRPOTrainer, trl.GRPOConfig),
+        (GRPOTrainer, GRPOConfig),
+        tmp,
+        fields,
+        models={"model": model},
+        reward_funcs=[correct_sum, number_only],
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
 
 
 def train(args, trainers):
