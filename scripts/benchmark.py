@@ -2,8 +2,8 @@
 
     python scripts/benchmark.py --mode cpu --out docs/benchmarks      # ~10 minutes on 2 cores
     python scripts/benchmark.py --mode gpu --out docs/benchmarks      # CUDA, bf16, FlexAttention, ~0.5B model
-    python scripts/benchmark.py --model smollm2 --kinds dpo --profiles HH-RLHF,TLDR,UltraFeedback --pairs 4 \
-        --repeats 3 --length-scale 0.25 --out docs/benchmarks/smollm2   # a real model (below), ~9 minutes on 2 cores
+    python scripts/benchmark.py --model smollm2 --kinds dpo --profiles HH-RLHF,TLDR,UltraFeedback --pairs 8 \
+        --repeats 3 --length-scale 0.25 --out docs/benchmarks/smollm2   # a real model (below), ~15 minutes on 2 cores
 
 Every variant trains the same model (randomly initialised, or with `--model smollm2` SmolLM2-135M-Instruct's trained
 weights and tokenizer, loaded offline by `trl_prefix_sharing.testing.real_model`) on the same pairs, in one process.
