@@ -265,32 +265,34 @@ def run_profile(kind, model, tokenizer, dataset, args, tmp):
 
 
 def build_model(kind, tokenizer, args):
+    """The benchmark's model: a causal LM, or for `kind == "reward"` a sequence classifier with a one-label score
+    head; the tiny random model built from a config (on GPU a ~0.5B one), or with `--model smollm2`
+    SmolLM2-135M-Instruct's weights (a reward model gets a fresh score head). Seeded; bf16 on CUDA, fp32 on CPU."""
     import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from trl_prefix_sharing.testing import make_config
 
-    if getattr(args, "model", "tiny") == "smollm2":
-        return build_smollm2(kind, args)
-    if args.mode == "cpu":
-        sizes = dict(hidden_size=args.hidden_size, num_layers=args.layers)
-        vocab = len(tokenizer)
-    else:  # ~0.5B parameters, Qwen2.5-0.5B-like shape, built from config (no download)
-        sizes = dict(
-            hidden_size=896, num_layers=24, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2
-        )
-        vocab = 32000
-    config = make_config(args.family, vocab, **sizes)
-    if kind == "reward":
-        config.num_labels = 1
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
+    gpu = args.mode == "gpu"
     cls = AutoModelForSequenceClassification if kind == "reward" else AutoModelForCausalLM
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if args.mode == "gpu" else torch.float32
-    model = cls.from_config(config, attn_implementation="sdpa", dtype=dtype)
-    if args.mode == "gpu":
-        model = model.cuda()
-    return model
+    common = dict(attn_implementation="sdpa", dtype=torch.bfloat16 if gpu else torch.float32)
+    torch.manual_seed(0)  # the tiny model's weights, SmolLM2's score head
+    if getattr(args, "model", "tiny") == "smollm2":
+        model = cls.from_pretrained(smollm2_dir(), **({"num_labels": 1} if kind == "reward" else {}), **common)
+    else:
+        if gpu:  # ~0.5B parameters, Qwen2.5-0.5B-like shape, built from config (no download)
+            sizes = dict(
+                hidden_size=896, num_layers=24, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2
+            )
+            vocab = 32000
+        else:
+            sizes = dict(hidden_size=args.hidden_size, num_layers=args.layers)
+            vocab = len(tokenizer)
+        config = make_config(args.family, vocab, **sizes)
+        if kind == "reward":
+            config.num_labels = 1
+        model = cls.from_config(config, **common)
+    return model.cuda() if gpu else model
 
 
 # --- `--model smollm2`: SmolLM2-135M-Instruct, a real model, offline (shared with benchmark_paired/_online.py) ---
@@ -337,25 +339,6 @@ def smollm2_dir():
         return smollm2_path()
     except RealModelMissing as error:
         raise SystemExit(f"error: {error}") from None
-
-
-def build_smollm2(kind, args):
-    """SmolLM2-135M-Instruct's weights: a causal LM, or for `kind == "reward"` a sequence classifier on the same
-    backbone with a fresh one-label score head (seeded)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    gpu = args.mode == "gpu"
-    dtype = torch.bfloat16 if gpu else torch.float32
-    path = smollm2_dir()
-    torch.manual_seed(0)
-    if kind == "reward":
-        model = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=dtype, attn_implementation="sdpa"
-        )
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-    return model.cuda() if gpu else model
 
 
 def describe_smollm2(model):

@@ -597,7 +597,7 @@ def main():
     with torch.no_grad():
         for parameter in ref_model.parameters():
             parameter.add_(0.02 * torch.randn_like(parameter))
-    args.vocab = model.config.vocab_size if args.model != "tiny" else len(tokenizer)
+    args.vocab = len(tokenizer)
     if args.model == "tiny":
         model_desc = (
             f"{args.family}, hidden {args.hidden_size}, {args.layers} layers, vocab {args.vocab}, "
