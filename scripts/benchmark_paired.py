@@ -155,8 +155,8 @@ def make_trainers(kind, model, ref_model, tokenizer, rows, args, tmp):
         }[kind]
         classes = {
             "stock": (stock_cls, stock_config, {}),
-            "shared": (cls, config, shared),
-            "unscored padding": (cls, config, {**shared, "prefix_sharing_score_padding": False}),
+            "shared": (cls, config, {**shared, "prefix_sharing_score_padding": True}),  # stock's padding computed too
+            "unscored padding": (cls, config, {**shared, "prefix_sharing_score_padding": False}),  # the default
         }
         options = {"loss_type": "simpo", "cpo_alpha": 0.5} if kind == "cpo" else {}
         dataset = Dataset.from_list(rows)
@@ -527,7 +527,9 @@ def write(results, args, device, command, model_desc, elapsed):
         for variant, v in r["variants"].items():
             name = TITLES[r["trainer"]] + (f" ({variant} KL)" if r["trainer"] == "kto" else "")
             if variant == "unscored padding":
-                name += " (`prefix_sharing_score_padding=False`)"
+                name += " (`prefix_sharing_score_padding=False`, the default)"
+            elif r["trainer"] in ("orpo", "cpo"):
+                name += " (`prefix_sharing_score_padding=True`)"
             sharing, positions = f"{v['sharing_ideal']:.2f}x", v["positions_per_step"]
             if r["trainer"] == "kto":
                 sharing += f" (reference {v['reference_sharing_ideal']:.2f}x)"

@@ -5,7 +5,8 @@ config, from the same weights on the same data, and writes for each run: the log
 weights (gathered from the ZeRO-3 partitions) and how the parameters were partitioned (DeepSpeed only).
 
 `--runs` picks the runs: `dpo` (stock, then ours with sharing), `reward`, `kto` (with its KL term), `orpo`, `cpo`
-(`loss_type="sigmoid"`) (the same), `dpo-packing` (ours with sharing and packing; its stock counterpart is
+(`loss_type="sigmoid"`) (the same; ours with `prefix_sharing_score_padding=True`, so that every logged number is
+stock's), `dpo-packing` (ours with sharing and packing; its stock counterpart is
 `dpo-replay`, stock TRL on one process taking, step by step, the union of the packed batches of the 2 ranks as one
 ordinary batch: the plain mean over the same pairs)."""
 
@@ -101,6 +102,8 @@ def make_trainer(kind, ours, out, tokenizer, dataset, models, **fields):
     )  # the same batches for both runs (packing: its own sampler)
     common.update(fields)
     ours_fields = ours or {}
+    if kind in ("orpo", "cpo") and ours is not None:  # each row's padding computed: `logits/*` stock's too
+        ours_fields = {"prefix_sharing_score_padding": True, **ours_fields}
     if kind in ("kto", "orpo", "cpo"):
         stock_cls, stock_config, cls, config, options = trainer_classes()[kind]
         common.update(max_length=512, **options)

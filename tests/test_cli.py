@@ -358,7 +358,7 @@ def test_online_trainers_with_sharing(workspace, command):
     [
         ("kto", ["--prefix_sharing_merge_kl", "true"]),
         ("orpo", []),
-        ("cpo", ["--loss_type", "simpo", "--cpo_alpha", "0.5", "--prefix_sharing_score_padding", "false"]),
+        ("cpo", ["--loss_type", "simpo", "--cpo_alpha", "0.5", "--prefix_sharing_score_padding", "true"]),
     ],
 )
 def test_kto_orpo_cpo_with_sharing(workspace, command, flags):
@@ -385,3 +385,42 @@ def test_kto_orpo_cpo_with_sharing(workspace, command, flags):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (out / "model.safetensors").exists()
     assert "kto" in _run(_console_script() + ["--help"], cwd=workspace).stdout
+
+
+def test_sft_with_sharing(workspace):
+    """`trl-prefix-sharing sft` with TRL's flags on prompt-completion data, four completions per prompt, the join rule
+    too."""
+    import random
+
+    rng = random.Random(5)
+    data = workspace / "sft.jsonl"
+    with open(data, "w") as f:
+        for p in range(4):
+            prompt = " ".join(f"w{rng.randrange(100)}" for _ in range(20 + p))
+            for _ in range(4):
+                completion = " " + " ".join(f"w{rng.randrange(100)}" for _ in range(rng.randrange(1, 6)))
+                f.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
+    out = workspace / "sft_out"
+    proc = _run(
+        _console_script()
+        + [
+            "sft",
+            "--model_name_or_path",
+            str(workspace / "model"),
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(out),
+            "--prefix_sharing",
+            "true",
+            "--prefix_sharing_join",
+            "always",
+            "--train_sampling_strategy",
+            "sequential",
+            *COMMON,
+        ],
+        cwd=workspace,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (out / "model.safetensors").exists()
+    assert "sft" in _run(_console_script() + ["--help"], cwd=workspace).stdout

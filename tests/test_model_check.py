@@ -305,13 +305,12 @@ def test_shared_rows_that_cannot_run_are_refused_with_the_cause(tmp_path, tokeni
 def test_the_check_rows_are_read_only_while_the_check_is_pending(tmp_path, tokenizer, monkeypatch):
     """The start-up check's inputs (each row's example and prompt) are worked out for the first batch only: the steps
     after it pay nothing for them."""
-    import trl_prefix_sharing.preference as preference
-
     stock, shared = _dpo(tmp_path, tokenizer, "ps_plain_decoder")
     calls = []
-    for name in ("example_ids", "prompt_lengths"):
-        real = getattr(preference, name)
-        monkeypatch.setattr(preference, name, lambda batch, real=real, name=name: calls.append(name) or real(batch))
+    for name, attribute in (("example_ids", "_examples_of"), ("prompt_lengths", "_prompts_of")):
+        real = getattr(shared, attribute)
+        counted = staticmethod(lambda batch, real=real, name=name: calls.append(name) or real(batch))
+        monkeypatch.setattr(type(shared), attribute, counted)
     batch = shared._prepare_inputs(shared.data_collator(list(shared.train_dataset)))
     shared._prepare_layout(batch)
     assert shared.model_check.result.passed and sorted(calls) == ["example_ids", "prompt_lengths"]

@@ -1,6 +1,13 @@
 """ORPO and CPO (SimPO, CPO-SimPO, AlphaPO) with prefix sharing against TRL's own experimental trainers, in the same
 process, fp32 on the CPU: the loss, every logged metric (the NLL term, the `logits/*` means over prompt and padding),
-the gradients and the weights after training."""
+the gradients and the weights after training.
+
+Two paths. `prefix_sharing_score_padding=True` computes each row's padding as stock does: every logged number is
+stock's (`make_trainers` builds this path unless told otherwise, so the tests here and in other modules that compare
+every metric run it). The default, `False`, skips the padding: the loss, the gradients, the weights and every metric
+but `logits/chosen|rejected` are stock's, and those two are the mean logit of the columns that predict a real token,
+checked against the stock model's own logits and shown to differ from stock's where rows have padding (the tests
+named `..._by_default`)."""
 
 from __future__ import annotations
 
@@ -60,10 +67,12 @@ def make_trainers(
     config_kwargs=None,
     weights=None,
     ours=None,
+    score_padding=True,
     **options,
 ):
-    """(stock TRL trainer, ours with `prefix_sharing=True` and `ours`) from identical (`weights`-dtype) models and
-    data."""
+    """(stock TRL trainer, ours with `prefix_sharing=True`, `prefix_sharing_score_padding=score_padding` and `ours`)
+    from identical (`weights`-dtype) models and data. `score_padding=True` (every logged number stock's) unless
+    told; `None`: the config's default."""
     stock_cls, stock_config, ours_cls, ours_config = KINDS[kind]
     model = make_model(family, len(tokenizer), seed=0, **(config_kwargs or {})).to(weights or torch.float32)
     fields = dict(
@@ -75,10 +84,11 @@ def make_trainers(
         **CPU_RUN,
     )
     fields.update(options)
+    padding = {} if score_padding is None else {"prefix_sharing_score_padding": score_padding}
     trainers = []
     for cls, config, extra in (
         (stock_cls, stock_config, {}),
-        (ours_cls, ours_config, {"prefix_sharing": True, **(ours or {})}),
+        (ours_cls, ours_config, {"prefix_sharing": True, **padding, **(ours or {})}),
     ):
         trainers.append(
             cls(
@@ -103,7 +113,44 @@ def loss_and_grads(trainer, examples):
 
 
 def assert_same_batch(stock, shared, atol=1e-5, rtol=1e-5):
+    """`loss_and_grads` of ours equal to stock's: the loss, every metric, every gradient (`score_padding=True`)."""
     assert_same_loss_metrics_grads(stock, shared, atol, rtol, min_metrics=9)
+
+
+#: the two metrics `prefix_sharing_score_padding` changes: stock's means cover its padding columns
+LOGITS_METRICS = ("logits/chosen", "logits/rejected")
+
+
+def _without_logits_metrics(result):
+    return (result[0], {k: v for k, v in result[1].items() if k not in LOGITS_METRICS}, *result[2:])
+
+
+def assert_default_batch(stock, shared, examples, atol=1e-5, rtol=1e-5) -> None:
+    """The default path (`prefix_sharing_score_padding=False`) on one batch: the loss, the gradients and every metric
+    but `logits/chosen|rejected` are stock's. Those two are the mean logit of the columns that predict a real token,
+    computed here from the stock model's own logits; stock's are the mean over every column of its padded rows
+    (ORPO: all but the last), padding columns included, so the two differ (every half of these batches has padding)
+    by more than the tolerance every other number is held to."""
+    assert shared.args.prefix_sharing_score_padding is False
+    expected, got = (loss_and_grads(trainer, examples) for trainer in (stock, shared))
+    assert set(LOGITS_METRICS) <= set(got[1]) and set(got[1]) == set(expected[1])
+    assert_same_loss_metrics_grads(*map(_without_logits_metrics, (expected, got)), atol, rtol, min_metrics=7)
+
+    batch = stock._prepare_inputs(stock.data_collator(examples))
+    concatenated = stock.concatenated_inputs(batch, padding_value=shared._padding_value)
+    input_ids, attention_mask = concatenated["concatenated_input_ids"], concatenated["concatenated_attention_mask"]
+    with torch.no_grad():
+        column_means = stock.model(input_ids=input_ids, attention_mask=attention_mask).logits.mean(-1)
+    predicts_real = torch.cat([attention_mask[:, 1:], torch.zeros_like(attention_mask[:, :1])], dim=1).bool()
+    stock_columns = slice(None, -1) if isinstance(stock, StockORPOTrainer) else slice(None)
+    half = len(examples)
+    for key, rows in zip(LOGITS_METRICS, (slice(None, half), slice(half, None)), strict=True):
+        assert_same_number(got[1][key], column_means[rows][predicts_real[rows]].mean(), key, atol=atol, rtol=rtol)
+        assert (attention_mask[rows][:, stock_columns] == 0).any(), key  # padding columns that stock's mean covers
+        stocks_mean = column_means[rows][:, stock_columns].mean()
+        assert_same_number(expected[1][key], stocks_mean, f"stock's {key}", atol=atol, rtol=rtol)
+        with pytest.raises(AssertionError):
+            assert_same_number(got[1][key], expected[1][key], key, atol=atol, rtol=rtol)
 
 
 def longer_rejected(dataset: Dataset) -> Dataset:
@@ -262,30 +309,60 @@ def test_fewer_positions_and_no_logits(tmp_path, tokenizer, kind):
     assert counts[1]["positions"] < 0.6 * counts[0]["positions"], counts
 
 
-@pytest.mark.parametrize("kind", ["orpo", "cpo"])
-def test_unscored_padding_changes_only_the_logits_metrics(tmp_path, tokenizer, kind):
-    """`prefix_sharing_score_padding=False`: fewer positions; the loss, the gradients and every metric but
-    `logits/chosen|rejected` are stock's; those two are the mean logit of the columns that predict a real token,
-    computed here from the stock model's own logits."""
-    dataset = awkward_text_dataset()
-    stock, shared = make_trainers(tmp_path, kind, tokenizer, dataset, ours={"prefix_sharing_score_padding": False})
-    examples = [shared.train_dataset[i] for i in range(len(dataset))]
-    expected, got = (loss_and_grads(trainer, examples) for trainer in (stock, shared))
-    logits_keys = {"logits/chosen", "logits/rejected"}
-    without = [
-        (result[0], {k: v for k, v in result[1].items() if k not in logits_keys}, result[2])
-        for result in (expected, got)
-    ]
-    assert_same_loss_metrics_grads(*without, min_metrics=7)
+def test_score_padding_defaults_to_false(tmp_path):
+    """`prefix_sharing_score_padding` is off unless asked for, in both configs."""
+    for config in (ORPOConfig, CPOConfig):
+        assert config(output_dir=str(tmp_path), **CPU_RUN).prefix_sharing_score_padding is False
 
-    batch = stock._prepare_inputs(stock.data_collator(examples))
-    concatenated = stock.concatenated_inputs(batch, padding_value=shared._padding_value)
-    input_ids, attention_mask = concatenated["concatenated_input_ids"], concatenated["concatenated_attention_mask"]
-    with torch.no_grad():
-        column_means = stock.model(input_ids=input_ids, attention_mask=attention_mask).logits.mean(-1)
-    predicts_real = torch.cat([attention_mask[:, 1:], torch.zeros_like(attention_mask[:, :1])], dim=1).bool()
-    half = len(examples)
-    for key, rows in (("logits/chosen", slice(None, half)), ("logits/rejected", slice(half, None))):
-        definition = column_means[rows][predicts_real[rows]].mean()
-        assert_same_number(got[1][key], definition, key, atol=1e-5, rtol=1e-5)
-        assert abs(got[1][key] - expected[1][key]) > 1e-4  # stock's mean also covers its padding columns
+
+#: the default path on the batches of `test_batch_matches_stock` and `test_awkward_data_matches_stock`
+DEFAULT_CASES = {
+    **{setting: (*SETTINGS[setting], "awkward") for setting in SETTINGS},
+    "orpo-conversational": ("orpo", {}, "conversational"),
+    "cpo-simpo-truncated": ("cpo", {"loss_type": "simpo", "cpo_alpha": 0.5, "max_length": 40}, "truncated"),
+}
+
+
+@pytest.mark.parametrize("case", list(DEFAULT_CASES))
+def test_batch_matches_stock_but_logits_metrics_by_default(tmp_path, tokenizer, case):
+    """`prefix_sharing_score_padding=False` (the default): the loss, the gradients and every metric but
+    `logits/chosen|rejected` are stock's; those two average the columns that predict a real token and differ from
+    stock's (`assert_default_batch`)."""
+    kind, options, data = DEFAULT_CASES[case]
+    if options.get("padding_value") is not None:
+        dataset = longer_rejected(tie_free_text_dataset())
+    elif data == "conversational":
+        dataset = conversational_dataset()
+    else:
+        dataset = awkward_text_dataset()
+    if data == "truncated":
+        dataset = dataset.filter(lambda row: len(row["prompt"].split()) < 30)
+    stock, shared = make_trainers(tmp_path, kind, tokenizer, dataset, score_padding=None, **options)
+    examples = [shared.train_dataset[i] for i in range(len(dataset))]
+    assert_default_batch(stock, shared, examples)
+
+
+@pytest.mark.parametrize("kind", ["orpo", "cpo"])
+def test_training_matches_stock_but_logits_metrics_by_default(tmp_path, tokenizer, kind):
+    """Two steps and an evaluation on the default path: every logged number but `logits/chosen|rejected` (training
+    and evaluation lines) and the trained weights are stock's; those two differ."""
+    options = {"loss_type": "simpo", "cpo_alpha": 0.5} if kind == "cpo" else {}
+    trainers = make_trainers(tmp_path, kind, tokenizer, conversational_dataset(), score_padding=None, **options)
+    assert trainers[1].args.prefix_sharing_score_padding is False
+    stock, shared = (train_and_evaluate(t) for t in trainers)
+
+    def is_logits_metric(key: str) -> bool:
+        return key.removeprefix("eval_") in LOGITS_METRICS
+
+    differ = [
+        abs(got[key] - line[key]) > 1e-5
+        for line, got in zip(stock[0], shared[0], strict=True)
+        for key in line
+        if is_logits_metric(key)
+    ]
+    assert len(differ) == 2 * len(stock[0]) and any(differ)
+    stock, shared = (
+        ([{k: v for k, v in line.items() if not is_logits_metric(k)} for line in logs], weights)
+        for logs, weights in (stock, shared)
+    )
+    assert_same_training(stock, shared)

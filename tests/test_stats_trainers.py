@@ -278,7 +278,7 @@ def test_stats_orpo_positions_match_a_hand_count(tok_dir, tmp_path, capsys):
     """Prompt `w1 w2 w3 w4`, completions ` the the w5` and ` the the w6 w7`: ORPO's rows, with BOS and EOS, are
     `<bos> w1 w2 w3 w4 the the w5 <eos>` (9) and `<bos> w1 w2 w3 w4 the the w6 w7 <eos>` (10): 19 tokens. Shared:
     the 9 tokens, then a copy of the last common `the` and `w6 w7 <eos>`: 13. Padded to 10 columns: stock 20; the
-    shared rows with each row's padding scored (the default) 10 + 4 = 14, without it 13."""
+    shared rows without the padding (the default) 13, with each row's padding scored 10 + 4 = 14."""
     from trl_prefix_sharing.cli.stats import main
 
     data = _write_jsonl(
@@ -292,18 +292,23 @@ def test_stats_orpo_positions_match_a_hand_count(tok_dir, tmp_path, capsys):
         assert "p50 7," in _line(out, "shared prefix tokens, computed once:")
         assert "p50 2," in _line(out, "common start of the completions:")
         assert "stock 19.0, shared 13.0 (tokens, no padding)" in _line(out, "positions per example:")
-        assert "stock 20.0, shared 14.0 (each stock row's padding computed too" in _line(out, "with padding, batches")
+        assert _line(out, "with padding, batches").endswith("stock 20.0, shared 13.0")
         assert _value(out, "ideal speedup, linear layers:") == f"{19 / 13:.2f}x"
-        assert _value(out, "ideal with padding, batches of 8:") == f"{20 / 14:.2f}x"
-        assert _value(out, "prefix_sharing_score_padding=False:") == f"{20 / 13:.2f}x"
+        ideal = _line(out, "ideal with padding, batches of 8:")
+        assert _value(out, "ideal with padding, batches of 8:") == f"{20 / 13:.2f}x"
+        assert "the shared rows skip stock's padding, prefix_sharing_score_padding=False" in ideal
+        other = _line(out, "prefix_sharing_score_padding=True:")
+        assert _value(out, "prefix_sharing_score_padding=True:") == f"{20 / 14:.2f}x"
+        assert "so that the logits/chosen and logits/rejected metrics are stock's" in other
         assert f"no {kind.upper()} benchmark recorded" in out
-        assert "verdict: prefix sharing pays on this dataset." in out  # min(1.46, 1.43) >= 1.15
+        assert "verdict: prefix sharing pays on this dataset." in out  # min(1.46, 1.54) >= 1.15
     argv = ["--dataset_name", data, "--model_name_or_path", tok_dir, "--trainer", "orpo"]
-    assert main([*argv, "--prefix_sharing_score_padding", "false"]) == 0
+    assert main([*argv, "--prefix_sharing_score_padding", "true"]) == 0
     out = capsys.readouterr().out
-    assert "stock 20.0, shared 13.0" in _line(out, "with padding, batches")
-    assert _value(out, "ideal with padding, batches of 8:") == f"{20 / 13:.2f}x"
-    assert _value(out, "prefix_sharing_score_padding=True:") == f"{20 / 14:.2f}x"
+    assert "stock 20.0, shared 14.0 (each stock row's padding computed too" in _line(out, "with padding, batches")
+    assert _value(out, "ideal with padding, batches of 8:") == f"{20 / 14:.2f}x"
+    assert _value(out, "prefix_sharing_score_padding=False:") == f"{20 / 13:.2f}x"
+    assert "verdict: prefix sharing pays on this dataset." in out  # min(1.46, 1.43) >= 1.15
 
 
 _KTO_HAND = [

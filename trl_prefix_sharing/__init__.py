@@ -1,5 +1,5 @@
-"""Prefix sharing for TRL's DPO, reward, GRPO, RLOO, online DPO, KTO, ORPO and CPO trainers: compute each prompt once,
-get stock TRL's numbers."""
+"""Prefix sharing for TRL's DPO, reward, GRPO, RLOO, online DPO, KTO, ORPO, CPO and SFT trainers: compute each prompt
+once, get stock TRL's numbers."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ _EXPORTS = {
     "ORPOTrainer": ".orpo_trainer",
     "CPOConfig": ".cpo_trainer",
     "CPOTrainer": ".cpo_trainer",
+    "SFTConfig": ".config",
+    "SFTTrainer": ".sft_trainer",
     "MultipackSampler": ".sampler",
     "PrefixSharingCollator": ".collator",
     "PrefixSharingSession": ".session",

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .examples import example_ids, prompt_lengths
-from .layout import LayoutPlan, RowPolicy, build_layout, plan_layout
+from .layout import LayoutPlan, RowPolicy, build_layout, plan_layouts
 from .vision import has_vision_inputs
 
 
@@ -34,6 +34,11 @@ class PrefixSharingCollator:
         across_examples: share between examples (a prompt's several pairs, later turns, duplicate prompts). False:
             within each example only. A batch with images shares within examples only (the tokens of an image do not
             tell which image it is).
+        join: how rows that start alike join one document (`layout.JOINS`).
+        cost: the step's cost model (`cost.StepCost`), by which `join="auto"` chooses.
+        examples_of, prompts_of: `f(batch)`: the example of each stock row, and each row's prompt tokens (None: the
+            common start of each example's rows). Default: a preference batch's (`examples.py`); SFT's rows are
+            examples of their own, their prompts the tokens before the first trained label (`sft_trainer.py`).
     """
 
     def __init__(
@@ -43,24 +48,32 @@ class PrefixSharingCollator:
         rows: RowPolicy | None = None,
         share_prefix: bool = True,
         across_examples: bool = True,
+        join: str = "prompts",
+        cost=None,
+        examples_of=example_ids,
+        prompts_of=prompt_lengths,
     ):
         self.base_collator = base_collator
         self.pad_token_id = pad_token_id
         self.rows = rows or RowPolicy()
         self.share_prefix = share_prefix
         self.across_examples = across_examples
+        self.join = join
+        self.cost = cost
+        self.examples_of, self.prompts_of = examples_of, prompts_of
 
-    def plan(self, batch) -> LayoutPlan:
-        """The trie of this batch's rows (see `plan_layout`)."""
+    def plans(self, batch) -> list[LayoutPlan]:
+        """The tries of this batch's rows, one per join rule the layout chooses from (see `plan_layouts`)."""
         across = self.across_examples and not has_vision_inputs(batch)
-        return self._plan(batch, example_ids(batch), across)
+        return self._plans(batch, self.examples_of(batch), across, (self.join,))
 
-    def _plan(self, batch, examples: torch.Tensor, across: bool) -> LayoutPlan:
-        """The trie of this batch's rows, `examples` being the example (or packing unit) of each row."""
-        return plan_layout(
+    def _plans(self, batch, examples: torch.Tensor, across: bool, joins=("prompts",)) -> list[LayoutPlan]:
+        """The tries of this batch's rows, `examples` being the example (or packing unit) of each row."""
+        return plan_layouts(
             batch["input_ids"],
             batch["attention_mask"],
-            prompt_lengths=prompt_lengths(batch),
+            joins=joins,
+            prompt_lengths=self.prompts_of(batch),
             examples=examples,
             across_examples=across,
             share=self.share_prefix,
@@ -73,17 +86,19 @@ class PrefixSharingCollator:
             batch["attention_mask"],
             rows=self.rows,
             pad_token_id=self.pad_token_id,
-            plan=self.plan(batch),
+            plan=self.plans(batch),
+            cost=self.cost,
         )
         return batch
 
     def unit_lengths(self, batch, units: torch.Tensor | None = None) -> list[int]:
         """Tokens each packing unit of `batch` occupies in a packed row: each example alone (its trie, or its
         unshared rows), or with `units` (the unit of each example) the trie of each unit's examples together."""
-        unit_ids = example_ids(batch)
+        unit_ids = self.examples_of(batch)
         if units is not None:
             unit_ids = units.to(unit_ids.device)[unit_ids]
-        return self._plan(batch, unit_ids, across=False).tokens_per(unit_ids, int(unit_ids.max()) + 1).tolist()
+        (plan,) = self._plans(batch, unit_ids, across=False)
+        return plan.tokens_per(unit_ids, int(unit_ids.max()) + 1).tolist()
 
     def unpacked(self) -> PrefixSharingCollator:
         """This collator with one document per row (fixed-size batches, e.g. TRL's precomputation of the reference

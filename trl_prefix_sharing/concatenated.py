@@ -6,9 +6,11 @@ With prefix sharing, `concatenated_forward` lays each pair out after one copy of
 head, so the `[2B, L, vocab]` logits are never materialised. Every number stock derives from the logits is derived
 here from per-column values the head computes: the next-token log-probability (the log-probs and NLL terms) and the
 mean logit over the vocabulary (the `logits/chosen|rejected` metrics, which stock averages over every column,
-prompt and padding included). Stock computes its padding columns too (a padding query sees its row's tokens), so the
-layout lays out and scores each row's padding the same way (`score_padding`). Each trainer turns those values into
-the tuple its TRL class returns (`ConcatenatedSharingMixin._stock_outputs`); TRL's loss and metric code runs
+prompt and padding included). Stock computes its padding columns too (a padding query sees its row's tokens); with
+`prefix_sharing_score_padding=True` the layout lays out and scores each row's padding the same way (`score_padding`),
+so that those two metrics are stock's; by default it skips the padding, and they average the columns that predict a
+real token (the loss, the gradients and every other metric are stock's either way). Each trainer turns those values
+into the tuple its TRL class returns (`ConcatenatedSharingMixin._stock_outputs`); TRL's loss and metric code runs
 unchanged.
 """
 
@@ -31,12 +33,13 @@ logger = logging.get_logger(__name__)
 
 CONCATENATED_SHARING_DOC = (
     _SHARING_DOC
-    + """    prefix_sharing_score_padding (`bool`, *optional*, defaults to `True`):
-        Lay out and compute each row's padding as stock does, so that the `logits/chosen` and `logits/rejected`
-        metrics are stock's (it averages the logits of every column, padding included). `False`: the padding is not
-        computed, which saves the positions stock spends on it; those two metrics are then the mean logit of the
-        columns that predict a real token, a different number from stock's. The loss, the gradients and every other
-        metric are stock's either way.
+    + """    prefix_sharing_score_padding (`bool`, *optional*, defaults to `False`):
+        Whether to also lay out and compute each row's padding, as stock does. Two logged numbers depend on it:
+        `logits/chosen` and `logits/rejected`, which stock computes as the mean logit over every column of its padded
+        rows, padding columns included. With `False` the padding is not computed, which saves the positions stock
+        spends on it, and those two metrics are the mean logit of the columns that predict a real token, a different
+        number from stock's wherever a row has padding. With `True` they are stock's, at the cost of computing each
+        row's padding. The loss, the gradients and every other metric are stock's either way.
 """
 )
 
@@ -48,11 +51,13 @@ class ConcatenatedSharingArguments(PrefixSharingArguments):
     _liger_keeps_forward = False  # TRL's trainer leaves Liger's default (a replaced forward) as it is
 
     prefix_sharing_score_padding: bool = field(
-        default=True,
+        default=False,
         metadata={
-            "help": "Compute each row's padding as stock does, so that the logits/chosen|rejected metrics are "
-            "stock's. False: skip it (fewer positions); those two metrics then average the columns that predict a "
-            "real token."
+            "help": "Whether to also compute each row's padding, as stock does. Only the logits/chosen and "
+            "logits/rejected metrics depend on it: stock averages the logits over every column, padding included. "
+            "False (default): the padding is not computed (fewer positions), and those two metrics average the "
+            "columns that predict a real token. True: those two metrics are stock's, at the cost of computing each "
+            "row's padding. The loss, the gradients and every other metric are stock's either way."
         },
     )
 

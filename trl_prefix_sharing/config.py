@@ -12,6 +12,7 @@ import transformers
 import trl
 
 from .attention import ATTN_IMPLEMENTATIONS
+from .layout import JOINS
 from .model_check import MODES as MODEL_CHECK_MODES
 
 
@@ -29,6 +30,16 @@ _SHARING_DOC = """
         micro-batches. More generally, every prefix that rows of a micro-batch share is computed once (a prefix
         trie): a prompt's several pairs, its later turns and duplicate prompts, when the sampler puts them in one
         micro-batch. Text and conversational datasets; see docs/architectures.md for the supported model families.
+    prefix_sharing_join (`str`, *optional*, defaults to `"auto"`):
+        Which rows of a micro-batch that start alike are laid out as one sequence. `"prompts"`: rows that share at
+        least a whole prompt (a prompt's pairs or generations, its later turns, duplicate prompts). `"always"`: any
+        rows that share a start, whichever examples they come from, so a system prompt, tool schemas, a document or
+        few-shot examples that several examples begin with are computed once. `"auto"`: per micro-batch, whichever of
+        the two layouts has the lower estimated cost for the attention kernel in use (a dense kernel pays for every
+        query-key pair of a longer row; FlexAttention only for the visible ones). Every mode computes stock's numbers.
+        A shared start counts only where stock puts it at the same positions: right-padded rows (DPO, reward, KTO,
+        ORPO, CPO) start at position 0; left-padded generated rows (GRPO, RLOO, online DPO) share a start with prompts
+        of the same padded length only.
     prefix_sharing_checks (`bool` or `None`, *optional*, defaults to `None`):
         Verify each shared batch against the stock rows in the forward (its tokens, padding and labels). Each check
         reads a comparison back from the device, so on an accelerator it waits for the device (a host sync per
@@ -90,6 +101,16 @@ class PrefixSharingArguments:
             "other micro-batches than stock's."
         },
     )
+    prefix_sharing_join: str = field(
+        default="auto",
+        metadata={
+            "help": "Which rows that start alike share one sequence: 'prompts' (rows sharing a whole prompt), "
+            "'always' (any common start, e.g. a system prompt or tool schemas across examples) or 'auto' (per "
+            "micro-batch, the layout with the lower estimated cost for the attention kernel). Every mode computes "
+            "stock's numbers.",
+            "choices": list(JOINS),
+        },
+    )
     prefix_sharing_attn_implementation: str = field(
         default="auto",
         metadata={
@@ -140,6 +161,8 @@ class PrefixSharingArguments:
                 f"`prefix_sharing_model_check` must be one of {MODEL_CHECK_MODES}, got "
                 f"{self.prefix_sharing_model_check!r}."
             )
+        if self.prefix_sharing_join not in JOINS:
+            raise ValueError(f"`prefix_sharing_join` must be one of {JOINS}, got {self.prefix_sharing_join!r}.")
         if self.prefix_sharing_attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(
                 f"`prefix_sharing_attn_implementation` must be one of {ATTN_IMPLEMENTATIONS}, got "
@@ -151,7 +174,7 @@ def refused_option(args) -> str | None:
     """Why an option of this config cannot be combined with prefix sharing or packing (None: it can), with the way
     out: every option of TRL's configs that changes the forward, the batch or the loss's inputs is either proven
     against stock (docs/options.md) or refused here, before anything is built."""
-    what = "`prefix_sharing`/`packing`" if hasattr(args, "packing") else "`prefix_sharing`"
+    what = "`prefix_sharing`/`packing`" if isinstance(args, PackingArguments) else "`prefix_sharing`"
     parallelism = getattr(args, "parallelism_config", None)
     if parallelism is not None and (
         getattr(parallelism, "cp_enabled", False) or getattr(parallelism, "sp_enabled", False)
@@ -341,3 +364,50 @@ class RLOOConfig(trl.RLOOConfig, PrefixSharingArguments):
     def __post_init__(self):
         super().__post_init__()
         self._check_prefix_sharing_arguments()
+
+
+@dataclass
+class SFTConfig(trl.SFTConfig, PrefixSharingArguments):
+    __doc__ = (
+        "Configuration class for [`trl_prefix_sharing.SFTTrainer`]: every parameter of [`trl.SFTConfig`], plus the "
+        "ones below. With `prefix_sharing=False` training is exactly TRL's. With it, the rows of a micro-batch that "
+        "start alike (a prompt's several completions, a system prompt or preamble shared by several examples, as "
+        "`prefix_sharing_join` says) are computed once; a row's prompt is its tokens before its first trained label. "
+        "TRL's own `packing` and `padding_free` lay rows out their own way and are refused with it.\n"
+        + _SHARING_DOC
+        + """    group_by_prompt (`bool`, *optional*, defaults to `False`):
+        Keep the examples of one prompt (several completions of it) in the same micro-batch, so that prefix sharing
+        computes the prompt once. The training sampler draws exactly what stock TRL's draws (the same random stream),
+        then moves each prompt's examples up to where its first example falls. What changes: which examples share a
+        micro-batch. What does not: the examples each epoch sees, every per-token number. A prompt is an example's
+        tokens before the first label it trains on.
+"""
+    )
+
+    _liger_keeps_forward = False  # Liger's fused loss replaces the forward the shared rows run through
+
+    group_by_prompt: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep the examples of one prompt (its several completions) in the same micro-batch, so prefix "
+            "sharing computes the prompt once: the stock sampler's random order (the same random draws), with each "
+            "prompt's examples moved up to where its first falls. A prompt is an example's tokens before the first "
+            "label it trains on."
+        },
+    )
+
+    @property
+    def _asks_for_layout(self) -> bool:
+        return bool(self.prefix_sharing or self.group_by_prompt)  # `packing` here is TRL's own SFT packing
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._check_prefix_sharing_arguments()
+        if self.prefix_sharing and (self.packing or self.padding_free):
+            option = "packing" if self.packing else "padding_free"
+            raise ValueError(
+                f"`prefix_sharing` cannot be combined with SFT's `{option}=True`: it concatenates examples into one "
+                "row with restarting position ids, a layout of its own, while prefix sharing lays out the rows itself "
+                "(a shared start computed once, no padding between a prompt's completions). Set "
+                f"`{option}=False`, or turn `prefix_sharing` off."
+            )

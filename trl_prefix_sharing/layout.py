@@ -23,11 +23,13 @@ passed: right-padded rows (TRL's DPO and reward collators) start at column 0; le
 DPO: `[pad pad p0 p1 | c0 c1 pad]`) keep the positions of their pads, exactly as stock computes them.
 
 **Documents.** A trie that is laid out as one piece is a *document*; unpacked, each document is one shared row, and
-packing puts several in a row. Sorted rows that share a prefix join one document when the prefix holds at least the
-prompt of one of them (the trainer says what a row's prompt is: its completion mask, its prompt columns, or what the
-rows of one example have in common): a prompt's pairs, its group, its later turns and its duplicates. A shorter common
-start (a chat template's header, a short system prompt) does not join documents, since a longer row costs more
-attention than the few positions it saves.
+packing puts several in a row. How sorted rows that share a prefix join one document is the *join* rule (`JOINS`):
+`"prompts"` joins them when the prefix holds at least the prompt of one of them (the trainer says what a row's prompt
+is: its completion mask, its prompt columns, or what the rows of one example have in common): a prompt's pairs, its
+group, its later turns and its duplicates. `"always"` joins any rows that share two tokens or more, so a system prompt
+or a document that several examples start with is computed once too. `"auto"` makes both plans from one sort and keeps
+the one whose estimated step cost is lower (`cost.StepCost`): a longer row costs a dense kernel more attention than
+the positions it saves, a block-sparse kernel only what its visible blocks hold.
 
 **Built with tensor ops where the batch lives**: a sort of the rows (longest common prefixes of all row pairs,
 chunked), cumulative sums and scatters; no per-token Python. One device-to-host read per build gives the shared rows'
@@ -49,7 +51,9 @@ __all__ = [
     "Layout",
     "RowPolicy",
     "LayoutPlan",
+    "JOINS",
     "plan_layout",
+    "plan_layouts",
     "assemble_layout",
     "build_layout",
     "shared_group_layout",
@@ -66,6 +70,10 @@ _NO_TOKEN = -1
 #: key of a scored padding column holding pad id 0 (`score_padding`); pad id p is keyed `_SCORED_PAD - p`: never
 #: equal to a token, and rows padded with different ids (ORPO pads the narrower side with its `padding_value`) differ
 _SCORED_PAD = -2
+#: how rows that share a prefix join one document (`prefix_sharing_join`): `"prompts"` when they share at least a
+#: prompt, `"always"` whenever they share a prefix (any common start saves positions), `"auto"` whichever of the two
+#: the step's estimated cost (`cost.StepCost`) prefers, per micro-batch
+JOINS = ("auto", "prompts", "always")
 #: elements of the pairwise comparison done at once (rows x rows x columns), bounding its memory
 _COMPARE_CHUNK = 1 << 24
 
@@ -91,6 +99,7 @@ class Layout:
             `BlockMask` or a dense additive mask), or None until the session adds it.
         check: whether the forward verifies the shared rows against the stock rows (a host sync on an accelerator).
         vision: the images of a vision batch, once per example, and their M-RoPE positions, or None.
+        join: the join rule of the plan that was laid out (`JOINS`; `"auto"` chooses `"prompts"` or `"always"`).
     """
 
     input_ids: torch.Tensor
@@ -102,6 +111,7 @@ class Layout:
     attention_mask: Any = None
     check: bool = True
     vision: dict | None = None
+    join: str = "prompts"
 
     @property
     def num_positions(self) -> torch.Tensor:
@@ -157,6 +167,8 @@ class RowPolicy:
         from .sampler import first_fit_decreasing
 
         capacity = self.length if self.length is not None else max(lengths, default=1)
+        if max(lengths, default=0) > capacity:
+            raise ValueError(f"A packed row needs {max(lengths)} tokens, more than its length of {capacity}.")
         order = sorted(range(len(lengths)), key=lambda d: -lengths[d])
         return first_fit_decreasing(order, lengths, capacity)
 
@@ -189,6 +201,15 @@ class LayoutPlan:
     num_documents: torch.Tensor  # 0-d
     input_ids: torch.Tensor  # [R, L] stock ids, sorted rows
     score_padding: bool
+    join: str = "prompts"  # the join rule that made this plan
+    host_pairs: int | None = None  # `visible_pairs`, once read to the host by `build_layout`
+
+    @property
+    def visible_pairs(self) -> torch.Tensor:
+        """0-d: query-key pairs the mask lets through (a token at depth d of its row sees the d + 1 tokens of its
+        path), what a block-sparse kernel computes at best."""
+        n, f = self.lengths, self.first_new
+        return ((n * (n + 1) - f * (f + 1)) // 2).sum()
 
     def tokens_per(self, groups: torch.Tensor, size: int) -> torch.Tensor:
         """`[size]`: tokens the layout adds for each group of stock rows (`groups[r]`, the group of stock row
@@ -248,6 +269,13 @@ def prompt_lengths_from_completion_mask(attention_mask: torch.Tensor, completion
     return (before & attention_mask.bool()).sum(dim=1)
 
 
+def _one_join(join: str) -> tuple[str, ...]:
+    """The join rules whose plans a build compares: both for `"auto"`, else the one given."""
+    if join not in JOINS:
+        raise ValueError(f"`prefix_sharing_join` must be one of {JOINS}, got {join!r}.")
+    return ("prompts", "always") if join == "auto" else (join,)
+
+
 def plan_layout(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -257,6 +285,7 @@ def plan_layout(
     share: bool = True,
     score_padding: bool = False,
     check: bool = True,
+    join: str = "prompts",
 ) -> LayoutPlan:
     """Sort the stock rows into a trie and find what each row adds (tensor ops on the rows' device).
 
@@ -273,9 +302,41 @@ def plan_layout(
         score_padding: also lay out the padding after each row's tokens, as stock computes it when a trainer scores
             it (online DPO's statistics do); see `assemble_layout`.
         check: verify that each row's tokens are one run (a comparison on the rows' device, so a host sync there).
+        join: `"prompts"` or `"always"` (see `JOINS`; `"auto"` chooses between their plans in `build_layout`).
     """
-    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
-        raise ValueError("`input_ids` and `attention_mask` must be [rows, length] tensors of the same shape.")
+    if join == "auto":
+        raise ValueError("`plan_layout` makes one plan: `join='auto'` chooses between plans in `build_layout`.")
+    (plan,) = plan_layouts(
+        input_ids,
+        attention_mask,
+        joins=(join,),
+        prompt_lengths=prompt_lengths,
+        examples=examples,
+        across_examples=across_examples,
+        share=share,
+        score_padding=score_padding,
+        check=check,
+    )
+    return plan
+
+
+@dataclass
+class _SortedRows:
+    """The stock rows in depth-first order, before any join rule (what every plan of a build shares)."""
+
+    order: torch.Tensor  # [R] stock row of each sorted place
+    starts: torch.Tensor  # [R] first column of each sorted row's tokens
+    lengths: torch.Tensor  # [R] tokens laid out for each sorted row
+    real: torch.Tensor  # [R] real tokens of each sorted row
+    shared: torch.Tensor  # [R] tokens each sorted row shares with the one before it
+    prompts: torch.Tensor  # [R] prompt tokens of each sorted row
+    same_example: torch.Tensor | None  # [R] whether the row before is of the same example (within-example sharing)
+
+
+def _sort_stock_rows(
+    input_ids, attention_mask, prompt_lengths, examples, across_examples, share, score_padding, check
+) -> _SortedRows:
+    """The rows sorted into a trie: each row's place, tokens, and what it shares with the row before it."""
     device = input_ids.device
     num_rows, width = input_ids.shape
     real, starts = _token_runs(attention_mask, check)
@@ -307,17 +368,30 @@ def plan_layout(
     if prompt_lengths is None:
         prompt_lengths = torch.ones(num_rows, dtype=torch.long, device=device)
 
-    s_starts, s_lengths, s_real = starts[order], lengths[order], real[order]
+    s_starts, s_lengths = starts[order], lengths[order]
     # tokens each sorted row shares with the one before it (the most any earlier row shares with it)
-    prev_lengths = _previous(s_lengths)
     shared = (common[order, _previous(order)] - lead - s_starts).clamp(min=0)
-    shared = torch.minimum(shared, torch.minimum(s_lengths, prev_lengths))
-    s_prompts = prompt_lengths.to(device)[order]
+    shared = torch.minimum(shared, torch.minimum(s_lengths, _previous(s_lengths)))
+    same_example = None
+    if lead:
+        s_examples = examples[order]
+        same_example = s_examples == _previous(s_examples)
+    return _SortedRows(order, s_starts, s_lengths, real[order], shared, prompt_lengths.to(device)[order], same_example)
+
+
+def _joined_plan(rows: _SortedRows, input_ids, share: bool, score_padding: bool, join: str) -> LayoutPlan:
+    """The plan of sorted rows under one join rule (`"prompts"` or `"always"`)."""
+    device = rows.order.device
+    num_rows = rows.order.shape[0]
+    index = torch.arange(num_rows, device=device)
+    shared, s_lengths = rows.shared, rows.lengths
+    prev_lengths = _previous(s_lengths)
     if share:
-        joins = shared >= torch.minimum(s_prompts, _previous(s_prompts)).clamp(min=1)
-        if lead:  # within examples only (sorted by example first): an example's rows are one document, as in stock's
-            s_examples = examples[order]  # pairing, even when they share nothing
-            joins |= s_examples == _previous(s_examples)
+        joins = shared >= torch.minimum(rows.prompts, _previous(rows.prompts)).clamp(min=1)
+        if join == "always":  # any common start of two tokens saves positions (one is copied to start the branch)
+            joins |= shared >= 2
+        if rows.same_example is not None:  # within examples only (sorted by example first): an example's rows are
+            joins |= rows.same_example  # one document, as in stock's pairing, even when they share nothing
     else:
         joins = (shared == s_lengths) & (s_lengths == prev_lengths)  # identical rows (of one example)
     joins &= index > 0
@@ -332,18 +406,41 @@ def plan_layout(
     offset = ends - added - document_start
     document_lengths = torch.zeros(num_rows, dtype=torch.long, device=device).scatter_add_(0, document, added)
     return LayoutPlan(
-        order=order,
-        starts=s_starts,
+        order=rows.order,
+        starts=rows.starts,
         lengths=s_lengths,
-        real_lengths=s_real,
+        real_lengths=rows.real,
         first_new=first_new,
         document=document,
         offset=offset,
         document_lengths=document_lengths,
         num_documents=(~joins).sum(),
-        input_ids=input_ids[order],
+        input_ids=input_ids[rows.order],
         score_padding=score_padding,
+        join=join,
     )
+
+
+def plan_layouts(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    joins: tuple[str, ...] = ("prompts",),
+    prompt_lengths: torch.Tensor | None = None,
+    examples: torch.Tensor | None = None,
+    across_examples: bool = True,
+    share: bool = True,
+    score_padding: bool = False,
+    check: bool = True,
+) -> list[LayoutPlan]:
+    """The plans of the stock rows under each join rule of `joins` (`"auto"`: both), from one sort. Other arguments:
+    see `plan_layout`."""
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError("`input_ids` and `attention_mask` must be [rows, length] tensors of the same shape.")
+    rules = [rule for join in joins for rule in _one_join(join)]
+    rows = _sort_stock_rows(
+        input_ids, attention_mask, prompt_lengths, examples, across_examples, share, score_padding, check
+    )
+    return [_joined_plan(rows, input_ids, share, score_padding, rule) for rule in rules]
 
 
 def assemble_layout(
@@ -426,56 +523,123 @@ def build_layout(
     pad_token_id: int = 0,
     score_padding: bool = False,
     check: bool = True,
-    plan: LayoutPlan | None = None,
+    plan: LayoutPlan | list[LayoutPlan] | None = None,
+    join: str = "prompts",
+    cost=None,
 ) -> Layout:
-    """The shared layout of stock rows: `plan_layout`, then `assemble_layout`. A pure function of the rows.
+    """The shared layout of stock rows: `plan_layouts`, the cheaper plan, then `assemble_layout`. A pure function of
+    the rows.
 
     Args:
         rows: where the documents go (`RowPolicy`): one per row (the default), or packed. Packing reads the documents'
             lengths on the host.
         pad_token_id: the token that pads the shared rows.
-        plan: the plan of these rows, if already made (the other planning arguments are then unused).
+        plan: the plan of these rows, or the plans to choose from, if already made (the other planning arguments are
+            then unused).
+        join: how rows that share a prefix join one document (`JOINS`).
+        cost: the step's cost model (`cost.StepCost`), which chooses between plans (`join="auto"`).
 
-    Other arguments: see `plan_layout`. One device-to-host read (the number of documents and the longest).
+    Other arguments: see `plan_layout`. One device-to-host read (each plan's number of documents and longest, or its
+    documents' lengths when packed).
     """
-    plan = plan or plan_layout(
-        input_ids,
-        attention_mask,
-        prompt_lengths=prompt_lengths,
-        examples=examples,
-        across_examples=across_examples,
-        share=share,
-        score_padding=score_padding,
-        check=check,
-    )
+    if plan is None:
+        plan = plan_layouts(
+            input_ids,
+            attention_mask,
+            joins=(join,),
+            prompt_lengths=prompt_lengths,
+            examples=examples,
+            across_examples=across_examples,
+            share=share,
+            score_padding=score_padding,
+            check=check,
+        )
+    plans = plan if isinstance(plan, list) else [plan]
     rows = rows or RowPolicy()
-    placement = {}
-    if not rows.pack:
-        num_rows, needed = torch.stack([plan.num_documents, plan.document_lengths.max()]).tolist()
-    else:
-        num_documents = int(plan.num_documents)
-        lengths = plan.document_lengths[:num_documents].tolist()
-        placed = rows.place(lengths)
-        if sorted(d for row in placed for d in row) != list(range(num_documents)):
-            raise ValueError("A row policy's placement must place every document exactly once.")
-        row_of, base, slot = ([0] * len(lengths) for _ in range(3))
-        row_lens = []
-        for r, row in enumerate(placed):
-            cursor = 0
-            for number, d in enumerate(row):
-                row_of[d], base[d], slot[d] = r, cursor, number
-                cursor += lengths[d]
-            row_lens.append(cursor)
-        device = plan.order.device
-        placement = {
-            "document_row": torch.tensor(row_of, device=device),
-            "document_base": torch.tensor(base, device=device),
-            "document_slot": torch.tensor(slot, device=device),
-        }
-        num_rows, needed = len(placed), max(row_lens, default=0)
-    layout = assemble_layout(plan, num_rows, max(rows.width(needed), 1), pad_token_id=pad_token_id, **placement)
+    shapes = _shapes(plans, rows)
+    if len(plans) > 1 and cost is None:
+        raise ValueError("Choosing between layout plans (`join='auto'`) needs the step's cost model (`cost`).")
+    chosen = _cheapest(plans, shapes, cost) if len(plans) > 1 else 0
+    if isinstance(shapes[chosen], ValueError):  # no plan fits the rows
+        if plans[chosen].join != "always":
+            raise shapes[chosen]
+        raise ValueError(
+            f"{shapes[chosen]} With `prefix_sharing_join='always'` the rows of several examples that start alike "
+            "join one document, which can outgrow a fixed packed row: set `prefix_sharing_join='auto'` (which keeps "
+            "to plans that fit) or `'prompts'`, or a larger `packing_length`."
+        ) from shapes[chosen]
+    num_rows, width, placement = shapes[chosen]
+    layout = assemble_layout(plans[chosen], num_rows, width, pad_token_id=pad_token_id, **placement)
     layout.check = check
+    layout.join = plans[chosen].join
     return layout
+
+
+def _shapes(plans: list[LayoutPlan], rows: RowPolicy) -> list:
+    """Per plan: the number and width of the shared rows it needs and where its documents go, or the `ValueError`
+    saying why they do not fit `rows` (one host read for all plans; the visible pairs ride along in
+    `plan.host_pairs`)."""
+    if not rows.pack:
+        read = torch.stack(
+            [torch.stack([p.num_documents, p.document_lengths.max(), p.visible_pairs]) for p in plans]
+        ).tolist()
+        sizes = []
+        for p, (num_rows, needed, pairs) in zip(plans, read, strict=True):
+            p.host_pairs = pairs
+            sizes.append((num_rows, needed, {}))
+    else:
+        read = torch.cat(
+            [torch.cat([torch.stack([p.num_documents, p.visible_pairs]), p.document_lengths]) for p in plans]
+        )
+        read = read.tolist()
+        size = len(read) // len(plans)
+        sizes = []
+        for p, first in zip(plans, range(0, len(read), size), strict=True):
+            num_documents, p.host_pairs = read[first], read[first + 1]
+            try:
+                sizes.append(_placed(rows, read[first + 2 : first + 2 + num_documents], p.order.device))
+            except ValueError as error:
+                sizes.append(error)
+    shapes = []
+    for shape in sizes:
+        try:
+            shapes.append(
+                shape if isinstance(shape, ValueError) else (shape[0], max(rows.width(shape[1]), 1), shape[2])
+            )
+        except ValueError as error:
+            shapes.append(error)
+    return shapes
+
+
+def _placed(rows: RowPolicy, lengths: list[int], device) -> tuple[int, int, dict]:
+    """Packed rows for documents of `lengths`: their number, the widest row's tokens, and each document's row, first
+    column and number within the row."""
+    placed = rows.place(lengths)
+    if sorted(d for row in placed for d in row) != list(range(len(lengths))):
+        raise ValueError("A row policy's placement must place every document exactly once.")
+    row_of, base, slot = ([0] * len(lengths) for _ in range(3))
+    row_lens = []
+    for r, row in enumerate(placed):
+        cursor = 0
+        for number, d in enumerate(row):
+            row_of[d], base[d], slot[d] = r, cursor, number
+            cursor += lengths[d]
+        row_lens.append(cursor)
+    placement = {
+        "document_row": torch.tensor(row_of, device=device),
+        "document_base": torch.tensor(base, device=device),
+        "document_slot": torch.tensor(slot, device=device),
+    }
+    return len(placed), max(row_lens, default=0), placement
+
+
+def _cheapest(plans: list[LayoutPlan], shapes: list, cost) -> int:
+    """The plan whose step `cost` estimates lowest (the first on a tie); a plan whose rows do not fit is no choice."""
+    estimates = [
+        float("inf") if isinstance(shape, ValueError) else cost.estimate(shape[0], shape[1], p.host_pairs)
+        for p, shape in zip(plans, shapes, strict=True)
+    ]
+    return min(range(len(plans)), key=estimates.__getitem__)
 
 
 def shared_group_layout(
@@ -486,10 +650,12 @@ def shared_group_layout(
     pad_to_multiple_of: int | None = None,
     score_padding: bool = False,
     check: bool = True,
+    join: str = "prompts",
+    cost=None,
 ) -> Layout:
     """The shared layout of generated rows `[prompt (prompt_length columns) | completion]` (GRPO, RLOO, online DPO),
     on the rows' device: a row's prompt is its tokens in the prompt columns, so a prompt's generations (and duplicate
-    prompts') form one document (`score_padding`: see `plan_layout`)."""
+    prompts') form one document (`score_padding`: see `plan_layout`; `join`, `cost`: see `build_layout`)."""
     prompt_lengths = attention_mask[:, :prompt_length].sum(dim=1)
     return build_layout(
         input_ids,
@@ -499,6 +665,8 @@ def shared_group_layout(
         pad_token_id=pad_token_id,
         score_padding=score_padding,
         check=check,
+        join=join,
+        cost=cost,
     )
 
 

@@ -81,6 +81,16 @@ class PromptGroupSampler(torch.utils.data.Sampler):
         return len(self.sampler)
 
 
+def grouped_by_prompt(sampler, dataset, groups_of):
+    """The training `sampler` with each prompt's examples kept together (`group_by_prompt`): `groups_of(dataset)` is
+    the prompt group of every example. A stream has no prompts to group: an error."""
+    if sampler is None:
+        return None
+    if not isinstance(dataset, Dataset):
+        raise ValueError("`group_by_prompt=True` needs a map-style dataset (a stream has no prompts to group).")
+    return PromptGroupSampler(sampler, groups_of(dataset))
+
+
 def prompt_groups(dataset) -> list[int]:
     """The prompt group of every example: its `prompt_ids` (DPO), its `prompt` (a reward dataset that keeps one), else
     the common start of its `chosen_ids` and `rejected_ids`, or of its `completion_ids` (ranked)."""
@@ -219,13 +229,7 @@ class PackedBatchesMixin:
         if self.packing and isinstance(dataset, Dataset):
             return self._multipack_sampler(dataset, shuffle=True, grouped=self._group_by_prompt)
         sampler = super()._get_train_sampler(train_dataset)
-        if self._group_by_prompt and sampler is not None:
-            if not isinstance(dataset, Dataset):
-                raise ValueError(
-                    "`group_by_prompt=True` needs a map-style dataset (a stream has no prompts to group)."
-                )
-            return PromptGroupSampler(sampler, prompt_groups(dataset))
-        return sampler
+        return grouped_by_prompt(sampler, dataset, prompt_groups) if self._group_by_prompt else sampler
 
     def _get_eval_sampler(self, eval_dataset):
         if self.packing and isinstance(eval_dataset, Dataset):

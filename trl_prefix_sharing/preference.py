@@ -1,9 +1,9 @@
-"""What the prefix-sharing DPO and reward trainers have in common, as a mixin placed before TRL's trainer class.
+"""Trainers whose collator builds the layout (DPO, reward, SFT), as mixins placed before TRL's trainer class.
 
 The stock collator's batch gets its `Layout` from `PrefixSharingCollator`; per step, the start-up check runs on the
 first batch, then the trainer's session (`session.py`) adds the layout's mask once, shared by the policy and reference
 passes, and the models' wrapped forwards run the shared rows and hand back stock-shaped outputs. TRL's own loss code
-runs unchanged. Packing (`packing.py`) composes with it.
+runs unchanged. For preference trainers packing (`packing.py`) composes with it.
 """
 
 from __future__ import annotations
@@ -18,26 +18,34 @@ from .sharing import PrefixSharingMixin
 from .stats import sharing_stats
 
 
-__all__ = ["PreferenceSharingMixin"]
+__all__ = ["CollatedSharingMixin", "PreferenceSharingMixin"]
 
 logger = logging.get_logger(__name__)
 
 
-class PreferenceSharingMixin(PackingMixin, PrefixSharingMixin):
-    """Prefix sharing and packing for a preference trainer (DPO, reward); see the module docstring."""
+class CollatedSharingMixin(PrefixSharingMixin):
+    """A trainer whose collated batch carries its layout; see the module docstring. `_examples_of` and `_prompts_of`
+    say what a batch's examples and prompts are (see `PrefixSharingCollator`); the trainer's `compute_loss` calls
+    `_share_batch` first."""
 
-    _resumes_shared_positions = False  # as TRL's DPO and reward trainers restart `num_tokens`
+    _resumes_shared_positions = False  # as TRL's DPO, reward and SFT trainers restart `num_tokens`
+    _examples_of = staticmethod(example_ids)
+    _prompts_of = staticmethod(prompt_lengths)
 
     def _setup_collator(self) -> None:
-        """The stock collator wrapped to add each batch's layout: unpacked rows as the session rounds them, or packed
-        rows as packing's row policy says (`_packed_rows`, given whether the session's kernel is dense)."""
+        """The stock collator wrapped to add each batch's layout, its rows as the session rounds them."""
         if isinstance(self.data_collator, PrefixSharingCollator):
             return
         self.data_collator = PrefixSharingCollator(
-            self.data_collator, self.sharing.pad_token_id, rows=self.sharing.rows, share_prefix=self.prefix_sharing
+            self.data_collator,
+            self.sharing.pad_token_id,
+            rows=self.sharing.rows,
+            share_prefix=self.prefix_sharing,
+            join=self.sharing.join,
+            cost=self.sharing.cost,
+            examples_of=self._examples_of,
+            prompts_of=self._prompts_of,
         )
-        if self.packing:
-            self.data_collator.rows = self._packed_rows(dense=self.sharing.attn_implementation != "flex_attention")
 
     def _prepare_layout(self, inputs):
         """The start-up check on the batch's stock rows (first batch only), then its layout completed for the forward
@@ -45,16 +53,34 @@ class PreferenceSharingMixin(PackingMixin, PrefixSharingMixin):
         self._startup_check(
             inputs["input_ids"],
             inputs["attention_mask"],
-            prompt_lengths=lambda: prompt_lengths(inputs),
-            examples=lambda: example_ids(inputs),
+            prompt_lengths=lambda: self._prompts_of(inputs),
+            examples=lambda: self._examples_of(inputs),
         )
         return self.sharing.prepare(inputs)
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    def _share_batch(self, inputs) -> None:
+        """A step's first act, before TRL's loss (or packing's, which may route a batch past TRL's `compute_loss`):
+        the batch's layout prepared, and the positions of a training forward counted."""
         if self.sharing is not None:
             layout = self._prepare_layout(inputs)
             if self.model.training:  # the dataset's line was logged at `train()`
                 self._count_positions(layout.num_positions)
+
+
+class PreferenceSharingMixin(PackingMixin, CollatedSharingMixin):
+    """Prefix sharing and packing for a preference trainer (DPO, reward); see the module docstring."""
+
+    def _setup_collator(self) -> None:
+        """The stock collator wrapped to add each batch's layout: unpacked rows as the session rounds them, or packed
+        rows as packing's row policy says (`_packed_rows`, given whether the session's kernel is dense)."""
+        if isinstance(self.data_collator, PrefixSharingCollator):
+            return
+        super()._setup_collator()
+        if self.packing:
+            self.data_collator.rows = self._packed_rows(dense=self.sharing.attn_implementation != "flex_attention")
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self._share_batch(inputs)
         return super().compute_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )

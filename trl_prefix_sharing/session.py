@@ -26,6 +26,7 @@ from collections.abc import Mapping
 import torch
 
 from .attention import AttentionSwitch, build_attention_mask, choose_attn_implementation, shared_row_multiple
+from .cost import StepCost
 from .forward import install_prefix_sharing_forward, remove_prefix_sharing_forward
 from .layout import Layout, RowPolicy, build_layout, shared_group_layout
 from .patching import is_patched, keep_own, mark_patched, put_back_own
@@ -61,6 +62,7 @@ class PrefixSharingSession:
         checks: `prefix_sharing_checks` (None: where the batch is on the CPU).
         autocast: the trainer's `accelerator.autocast`: the shared calls of a model that accelerate already wrapped
             in mixed precision (a reference model prepared in TRL's `__init__`) run inside it, as stock's calls do.
+        join: `prefix_sharing_join` (`layout.JOINS`); `"auto"` chooses by `self.cost`, the policy's under the kernel.
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class PrefixSharingSession:
         fuse_lm_head: bool | tuple[str, ...] = False,
         checks: bool | None = None,
         autocast=None,
+        join: str = "prompts",
     ):
         self.models = list(models)
         self.pad_token_id = pad_token_id(processing_class)
@@ -80,6 +83,7 @@ class PrefixSharingSession:
         self.row_multiple = shared_row_multiple(self.attn_implementation, pad_to_multiple_of)
         self.checks = checks
         self.autocast = autocast
+        self.join, self.cost = join, StepCost.of_model(self.models[0], self.attn_implementation)
         #: a trainer whose TRL code calls its models without a layout sets this: `router(model, kwargs)` gives the
         #: layout of a fused call's rows, a finished output, or None (see `install_prefix_sharing_forward`)
         self.router = None
@@ -151,6 +155,8 @@ class PrefixSharingSession:
             pad_token_id=self.pad_token_id,
             score_padding=score_padding,
             check=self._checks_on(input_ids),
+            join=self.join,
+            cost=self.cost,
         )
         return self.with_mask(layout)
 
@@ -181,6 +187,8 @@ class PrefixSharingSession:
                 self.row_multiple,
                 score_padding=score_padding,
                 check=self._checks_on(input_ids),
+                join=self.join,
+                cost=self.cost,
             )
             self._layouts.put(source, key, self.with_mask(layout))
         return layout

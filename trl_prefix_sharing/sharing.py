@@ -266,6 +266,7 @@ class PrefixSharingMixin(_ArgumentsChecked, _PositionsLogged, _PatchedWhileRunni
             fuse_lm_head=self._fuse_lm_head,
             checks=getattr(self.args, "prefix_sharing_checks", None),
             autocast=self.accelerator.autocast,
+            join=getattr(self.args, "prefix_sharing_join", "prompts"),
         )
         self._setup_collator()
         self.add_callback(_ForwardInPlace(self))

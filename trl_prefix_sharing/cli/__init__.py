@@ -1,4 +1,4 @@
-"""The `trl-prefix-sharing` command line: TRL's `trl dpo|reward|grpo|rloo|kto` workflow (and online DPO, ORPO and
+"""The `trl-prefix-sharing` command line: TRL's `trl dpo|reward|grpo|rloo|kto|sft` workflow (and online DPO, ORPO and
 CPO) with this package's trainers.
 
     trl-prefix-sharing dpo --model_name_or_path ... --dataset_name ... --prefix_sharing true --packing true
@@ -7,8 +7,8 @@ CPO) with this package's trainers.
     trl-prefix-sharing stats --dataset_name ... --model_name_or_path ...
     python -m trl_prefix_sharing dpo ...
 
-`dpo`, `reward`, `grpo`, `rloo`, `online_dpo`, `kto`, `orpo` and `cpo` take TRL's arguments (the same `TrlParser`
-over the script arguments, the config, `ModelConfig` and `DatasetMixtureConfig`, YAML `--config` files,
+`dpo`, `reward`, `grpo`, `rloo`, `online_dpo`, `kto`, `orpo`, `cpo` and `sft` take TRL's arguments (the same
+`TrlParser` over the script arguments, the config, `ModelConfig` and `DatasetMixtureConfig`, YAML `--config` files,
 PEFT/quantization flags) plus this package's fields, and are launched through `accelerate launch` exactly as TRL
 launches its scripts (`--accelerate_config zero3`, `--num_processes`, ...).
 """
@@ -20,7 +20,7 @@ import sys
 
 __all__ = ["main"]
 
-USAGE = """usage: trl-prefix-sharing {dpo,reward,grpo,rloo,online_dpo,kto,orpo,cpo,stats} [args]
+USAGE = """usage: trl-prefix-sharing {dpo,reward,grpo,rloo,online_dpo,kto,orpo,cpo,sft,stats} [args]
 
   dpo      DPO training (TRL's `trl dpo` arguments + prefix_sharing, packing, ...), launched with accelerate
   reward   reward-model training (TRL's `trl reward` arguments + the same), launched with accelerate
@@ -30,13 +30,14 @@ USAGE = """usage: trl-prefix-sharing {dpo,reward,grpo,rloo,online_dpo,kto,orpo,c
   kto      KTO training (TRL's `trl kto` arguments + prefix_sharing)
   orpo     ORPO (TRL's experimental ORPOConfig + prefix_sharing)
   cpo      CPO, SimPO, AlphaPO (TRL's experimental CPOConfig + prefix_sharing)
+  sft      SFT (TRL's `trl sft` arguments + prefix_sharing)
   stats    does prefix sharing pay on this dataset? DPO, reward, GRPO, RLOO (loads the tokenizer only)
 
 Run `trl-prefix-sharing COMMAND --help` for a command's arguments."""
 
 
 #: the commands that train, each launched through `accelerate launch` (`cli/<command>.py`)
-TRAINING_COMMANDS = ("dpo", "reward", "grpo", "rloo", "online_dpo", "kto", "orpo", "cpo")
+TRAINING_COMMANDS = ("dpo", "reward", "grpo", "rloo", "online_dpo", "kto", "orpo", "cpo", "sft")
 
 
 def launch(command: str, argv: list[str]) -> int:

@@ -17,7 +17,8 @@ says why (stock also computes its rows' padding, which the shared rows drop). Th
 - `dpo`, `reward`: each pair's two rows (or a ranked example's K rows), through the trainer's collator; packing too.
 - `orpo`, `cpo`: TRL's experimental ORPO/CPO tokenization (`tokenize_row`: BOS added, EOS added, the completions cut to
   fit `--max_length`, never the prompt); the two rows `[prompt | chosen]`, `[prompt | rejected]`. By default
-  (`--prefix_sharing_score_padding true`, as in training) the shared rows also compute each stock row's padding.
+  (`--prefix_sharing_score_padding false`, as in training) the shared rows skip stock's padding; with `true` they
+  also compute each stock row's padding (so that the `logits/chosen|rejected` metrics are stock's).
 - `kto`: TRL's KTO tokenization; each example's main row `[prompt | completion]` and its KL row `[prompt | the previous
   example's completion]` (rotated within batches of `--per_device_train_batch_size`, as TRL does). The reference pass
   runs both after one copy of the prompt; the policy's gradient pass does so where `--prefix_sharing_merge_kl` merges
@@ -250,8 +251,8 @@ def make_parser() -> argparse.ArgumentParser:
         "--prefix_sharing_score_padding",
         type=_boolean,
         default=None,
-        help="orpo and cpo only, as in their configs: the shared rows also compute each stock row's padding "
-        "(default: true)",
+        help="orpo and cpo only, as in their configs: the shared rows also compute each stock row's padding (true) "
+        "or skip it (false; default: false)",
     )
     data.add_argument(
         "--prefix_sharing_merge_kl",
@@ -373,7 +374,7 @@ def parse_args(argv: list[str] | None):
     args.truncation_mode = args.truncation_mode or TRUNCATION_MODE
     args.per_device_train_batch_size = args.per_device_train_batch_size or BATCH_SIZE
     if args.prefix_sharing_score_padding is None:
-        args.prefix_sharing_score_padding = True
+        args.prefix_sharing_score_padding = False  # ConcatenatedSharingArguments' default
     return args
 
 
@@ -1210,13 +1211,17 @@ def _print_speedups(args, counts: _PreferenceCounts) -> list[float]:
     )
     _line("ideal speedup, linear layers:", f"{ideal:.2f}x (stock / shared tokens, padding not counted; {formula})")
     computed = "stock's padded rows / the shared rows: the positions each computes"
-    if args.trainer in PAIRED_TRAINERS and args.prefix_sharing_score_padding:
-        computed += "; the shared rows compute each stock row's padding too, prefix_sharing_score_padding=True"
+    if args.trainer in PAIRED_TRAINERS:
+        computed += (
+            "; the shared rows compute each stock row's padding too, prefix_sharing_score_padding=True"
+            if args.prefix_sharing_score_padding
+            else "; the shared rows skip stock's padding, prefix_sharing_score_padding=False"
+        )
     _line(f"ideal with padding, batches of {batch_size}:", f"{padded:.2f}x ({computed})")
     if args.trainer in PAIRED_TRAINERS:
         other = not args.prefix_sharing_score_padding
         what = (
-            "the padding computed too; the logits/chosen and logits/rejected metrics stay stock's"
+            "each stock row's padding computed too, so that the logits/chosen and logits/rejected metrics are stock's"
             if other
             else "the padding not computed; only the logits/chosen and logits/rejected metrics change"
         )

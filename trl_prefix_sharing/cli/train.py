@@ -1,5 +1,5 @@
-"""The training scripts behind `trl-prefix-sharing dpo|reward|grpo|rloo|online_dpo|kto|orpo|cpo`: TRL's scripts with
-this package's trainers and configs, plus offline-friendly dataset loading (a local JSON/JSONL/Parquet file or
+"""The training scripts behind `trl-prefix-sharing dpo|reward|grpo|rloo|online_dpo|kto|orpo|cpo|sft`: TRL's scripts
+with this package's trainers and configs, plus offline-friendly dataset loading (a local JSON/JSONL/Parquet file or
 directory) and early errors: a bad input (an argument, a path, a dataset) is one line naming it and the way out."""
 
 from __future__ import annotations
@@ -145,6 +145,7 @@ _NAMES = {
     "kto": "KTO",
     "orpo": "ORPO",
     "cpo": "CPO",
+    "sft": "SFT",
 }
 #: trainers that take no `quantization_config` and load no tokenizer from a model name: both are given here
 _LOADED_HERE = ("online_dpo", "orpo", "cpo")
@@ -286,6 +287,10 @@ _COLUMNS = {
     "online_dpo": _PROMPT_COLUMNS,
     "orpo": _PAIR_COLUMNS,
     "cpo": _PAIR_COLUMNS,
+    "sft": (
+        ({"text"}, {"messages"}, {"prompt", "completion"}),
+        "an SFT dataset needs 'text', 'messages', or 'prompt' and 'completion', text or conversational.",
+    ),
     "kto": (
         ({"prompt", "completion", "label"}, {"chosen", "rejected"}),
         "a KTO dataset needs 'prompt', 'completion' and 'label' (unpaired), or 'chosen' and 'rejected' (and "
