@@ -261,7 +261,7 @@ def test_stats_console_script_errors_are_one_clean_line(workspace, args, message
         (["--dataset_name", "prefs.jsonl", "--trainer", "grpo", "--num_generations", "1"], "must be at least 2"),
         (["--dataset_name", "prefs.jsonl", "--trainer", "rloo", "--max_length", "64"], "--max_length applies to"),
         (["--dataset_name", "prefs.jsonl", "--trainer", "grpo", "--completion_length", "600"], "is longer than"),
-        (["--dataset_name", "prefs.jsonl", "--trainer", "reward", "--truncation_mode", "keep_end"], "dpo only"),
+        (["--dataset_name", "prefs.jsonl", "--trainer", "reward", "--truncation_mode", "keep_end"], "dpo or sft only"),
         (["--dataset_name", "prefs.jsonl", "--trainer", "reward", "--max_length", "3"], "no examples left"),
         (["--model_name_or_path", "tok"], "the following arguments are required: --dataset_name"),
         (["--dataset_name", "prompts.jsonl", "--trainer", "online_dpo", "--num_generations", "4"], "generates 2"),

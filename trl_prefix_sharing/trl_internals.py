@@ -24,7 +24,8 @@ deep in a training step. What is checked, per `Internal`:
     `_generate` (its prompts' rendering), whose tokenisation the `stats` command re-derives from TRL's public data
     functions (it builds no trainer): `test_stats_dpo_preprocessing_is_trls`,
     `test_stats_reward_preprocessing_is_trls`, `test_stats_kto_preprocessing_is_trls`,
-    `test_stats_paired_preprocessing_is_trls` and `test_stats_online_dpo_tokenizes_prompts_as_trl`.
+    `test_stats_paired_preprocessing_is_trls` and `test_stats_online_dpo_tokenizes_prompts_as_trl`; for SFT it
+    calls TRL's own `_prepare_dataset` on an instance built without a model (`test_stats_sft_preprocessing_is_trls`).
 
 No TRL method body is copied: each override calls TRL's own method, and the GRPO/RLOO shuffle is replaced by swapping
 the one function TRL's `_prepare_inputs` calls, for the duration of that call (`replaced_function`).
@@ -92,6 +93,7 @@ _ONLINE_DPO = "trl.experimental.online_dpo.online_dpo_trainer:OnlineDPOTrainer"
 _KTO = "trl.trainer.kto_trainer:KTOTrainer"
 _ORPO = "trl.experimental.orpo.orpo_trainer:ORPOTrainer"
 _CPO = "trl.experimental.cpo.cpo_trainer:CPOTrainer"
+_SFT = "trl.trainer.sft_trainer:SFTTrainer"
 _TRAINER = "transformers.trainer:Trainer"
 _LOGPS = ("self", "model", "input_ids", "attention_mask", "logits_to_keep")
 _PREPARE = ("self", "dataset", "processing_class", "args", "dataset_name")
@@ -248,6 +250,16 @@ INTERNALS: dict[str, tuple[Internal, ...]] = {
         Internal(_CPO, "tokenize_row", "mirror", fingerprint="cbff85d3b3779515"),
         Internal(_CPO, "build_tokenized_answer", "mirror", fingerprint="993f7fe9bd05a250"),
         Internal(_ONLINE_DPO, "_generate", "mirror", fingerprint="444dab2a5d9401b8"),  # how it renders prompts
+        # SFT's own preparation, called on an instance built without a model, with the attributes it reads set
+        Internal(
+            _SFT,
+            "_prepare_dataset",
+            "call",
+            ("self", "dataset", "processing_class", "args", "packing", "formatting_func", "dataset_name"),
+        ),
+        Internal(_SFT, "_tokenizer", "write", attribute=True),
+        Internal(_SFT, "chat_template", "write", attribute=True),
+        Internal(_SFT, "completion_only_loss", "write", attribute=True),
     ),
 }
 

@@ -24,6 +24,17 @@ says why (stock also computes its rows' padding, which the shared rows drop). Th
   runs both after one copy of the prompt; the policy's gradient pass does so where `--prefix_sharing_merge_kl` merges
   (by default: when a batch's prompt tokens exceed twice its KL completion tokens), so a training step is reported too.
 
+SFT data (`--trainer sft`: `text`, `messages`, or `prompt` + `completion`, text or conversational): tokenized by TRL's
+own `SFTTrainer._prepare_dataset` (EOS added to text, the prompt masked for prompt-completion data as TRL's default
+`completion_only_loss` does, truncated to `--max_length` by `--truncation_mode`). Each example is one row; its prompt
+is its tokens before its first trained label. SFT's sampler is random, so the micro-batches counted are
+`--per_device_train_batch_size` consecutive rows (what `train_sampling_strategy="sequential"` or `group_by_prompt`
+gives), collated by TRL's collator and planned by the package's own layout (the SFT trainer's `PrefixSharingCollator`)
+under `--prefix_sharing_join`: `prompts` joins rows that share a prompt (a prompt's several completions), `always` also
+rows that share only a start (a system prompt, a preamble), `auto` (the default) reports both plans, between which
+training chooses per micro-batch by the step's estimated cost; its verdict takes the prompts plan. No SFT benchmark is
+recorded, so there is no expected speedup.
+
 Prompt-only data (`--trainer grpo`, `rloo` or `online_dpo`): the completions are generated during training, so their
 length is an assumption (`--completion_length`, by default the longest generation: `--max_completion_length`, or
 `--max_new_tokens` for online DPO). Tokenizes the prompts as TRL does and reports, per group of one prompt and its
@@ -55,14 +66,16 @@ MAX_COMPLETION_LENGTH, MAX_NEW_TOKENS = 512, 64
 #: TRL's defaults for the trainers with data completions (their configs and TrainingArguments)
 MAX_LENGTH, TRUNCATION_MODE, BATCH_SIZE = 1024, "keep_start", 8
 #: `max_length` of each config (OnlineDPOConfig: prompt + completion, its prompt's start cut to fit)
-MAX_LENGTHS = {"dpo": 1024, "reward": 1024, "kto": 1024, "orpo": 1024, "cpo": 1024, "online_dpo": 512}
+MAX_LENGTHS = {"dpo": 1024, "reward": 1024, "kto": 1024, "orpo": 1024, "cpo": 1024, "sft": 1024, "online_dpo": 512}
 #: the length TRL's ORPO and CPO trainers take when `max_length` is None
 ORPO_DEFAULT_LENGTH = 512
 PREFERENCE_TRAINERS, PAIRED_TRAINERS = ("dpo", "reward"), ("orpo", "cpo")
 GROUP_TRAINERS = ("grpo", "rloo", "online_dpo")
 #: the trainers whose data holds its completions, in the order of the help text
 DATA_TRAINERS = (*PREFERENCE_TRAINERS, "kto", *PAIRED_TRAINERS)
-TRAINERS = (*DATA_TRAINERS, *GROUP_TRAINERS)
+TRAINERS = (*DATA_TRAINERS, "sft", *GROUP_TRAINERS)
+#: `prefix_sharing_join`'s values (`layout.JOINS`, named here so that `--help` needs no torch) and SFTConfig's default
+SFT_JOINS, SFT_JOIN = ("auto", "prompts", "always"), "auto"
 #: the trainer class of each `--trainer`, as training names it in its errors
 TRAINER_CLASSES = {
     "dpo": "DPOTrainer",
@@ -70,6 +83,7 @@ TRAINER_CLASSES = {
     "kto": "KTOTrainer",
     "orpo": "ORPOTrainer",
     "cpo": "CPOTrainer",
+    "sft": "SFTTrainer",
     "grpo": "GRPOTrainer",
     "rloo": "RLOOTrainer",
     "online_dpo": "OnlineDPOTrainer",
@@ -220,17 +234,18 @@ def make_parser() -> argparse.ArgumentParser:
         choices=TRAINERS,
         default="dpo",
         help="dpo, reward, orpo, cpo: preference data (chosen/rejected; reward: or ranked completions); kto: "
-        "unpaired data (prompt/completion/label, or pairs TRL unpairs); grpo, rloo, online_dpo: prompts only, "
-        "completions generated during training (default: dpo)",
+        "unpaired data (prompt/completion/label, or pairs TRL unpairs); sft: supervised data (text, messages, or "
+        "prompt/completion), each example one row; grpo, rloo, online_dpo: prompts only, completions generated during "
+        "training (default: dpo)",
     )
     parser.add_argument("--max_examples", type=_int_at_least(1), default=None, help="look at the first N rows only")
-    data = parser.add_argument_group("dpo, reward, kto, orpo and cpo")
+    data = parser.add_argument_group("dpo, reward, kto, orpo, cpo and sft")
     data.add_argument(
         "--max_length",
         type=_int_at_least(0),
         default=None,
-        help="as in the trainer's config: DPO and KTO truncate, the reward trainer drops longer examples, ORPO and "
-        "CPO cut the completions to fit, online DPO cuts the prompt's start; 0: none (default: TRL's, "
+        help="as in the trainer's config: DPO, KTO and SFT truncate, the reward trainer drops longer examples, ORPO "
+        "and CPO cut the completions to fit, online DPO cuts the prompt's start; 0: none (default: TRL's, "
         + ", ".join(f"{k} {v}" for k, v in MAX_LENGTHS.items())
         + ")",
     )
@@ -238,14 +253,23 @@ def make_parser() -> argparse.ArgumentParser:
         "--truncation_mode",
         choices=["keep_start", "keep_end"],
         default=None,
-        help=f"dpo only, as in DPOConfig (default: {TRUNCATION_MODE})",
+        help=f"dpo and sft, as in DPOConfig and SFTConfig (default: {TRUNCATION_MODE})",
     )
     data.add_argument(
         "--per_device_train_batch_size",
         type=_int_at_least(1),
         default=None,
-        help="examples per micro-batch, for the padding and packing estimates and KTO's KL rows (default: "
-        f"{BATCH_SIZE})",
+        help="examples per micro-batch, for the padding and packing estimates, KTO's KL rows and the rows SFT "
+        f"lays out together (default: {BATCH_SIZE})",
+    )
+    data.add_argument(
+        "--prefix_sharing_join",
+        choices=SFT_JOINS,
+        default=None,
+        help="sft only, as in SFTConfig: join the rows of different examples that share a start (a system prompt, "
+        "a preamble) into one shared row when they share a prompt (prompts), whenever they share two tokens or more "
+        "(always), or whichever of the two the step's estimated cost prefers (auto; reports both; default: "
+        f"{SFT_JOIN})",
     )
     data.add_argument(
         "--prefix_sharing_score_padding",
@@ -295,9 +319,10 @@ def make_parser() -> argparse.ArgumentParser:
 
 #: the flags that apply to some trainers only
 _APPLIES_TO = {
-    "max_length": (*DATA_TRAINERS, "online_dpo"),
-    "truncation_mode": ("dpo",),
-    "per_device_train_batch_size": DATA_TRAINERS,
+    "max_length": (*DATA_TRAINERS, "sft", "online_dpo"),
+    "truncation_mode": ("dpo", "sft"),
+    "per_device_train_batch_size": (*DATA_TRAINERS, "sft"),
+    "prefix_sharing_join": ("sft",),
     "prefix_sharing_score_padding": PAIRED_TRAINERS,
     "prefix_sharing_merge_kl": ("kto",),
     "num_generations": GROUP_TRAINERS,
@@ -325,6 +350,11 @@ def _does_not_apply(flag: str, trainer: str) -> str:
     where = _APPLIES_TO[flag]
     listed = ", ".join(where[:-1]) + f" or {where[-1]}" if len(where) > 1 else where[0]
     why = _WHY_NOT.get((flag, trainer))
+    if why is None and flag == "prefix_sharing_join":
+        why = (
+            f"with --trainer {trainer} the report lays out each example's rows (or each prompt's group) on its own, "
+            "so no rows of different examples are joined"
+        )
     if why is None and trainer in ("grpo", "rloo"):
         why = f"with --trainer {trainer} the prompts are not truncated and padding is not counted"
     if why is None and trainer in DATA_TRAINERS and set(where) <= set(GROUP_TRAINERS):
@@ -375,6 +405,8 @@ def parse_args(argv: list[str] | None):
     args.per_device_train_batch_size = args.per_device_train_batch_size or BATCH_SIZE
     if args.prefix_sharing_score_padding is None:
         args.prefix_sharing_score_padding = False  # ConcatenatedSharingArguments' default
+    if args.trainer == "sft":
+        args.prefix_sharing_join = args.prefix_sharing_join or SFT_JOIN
     return args
 
 
@@ -601,6 +633,11 @@ def _check_columns(dataset, args) -> None:
                 "the tokens of images"
             )
         return
+    if args.trainer == "sft" and {"image", "images"} & columns:
+        raise StatsError(
+            f"the dataset has an image column; {PROG} counts text tokens with the tokenizer only and cannot count "
+            "the tokens of images"
+        )
     from ..validation import check_dataset_columns
     from .train import columns_needed
 
@@ -1293,6 +1330,209 @@ def preference_report(dataset, tokenizer, args) -> None:
     _print_preference_report(args, counts)
 
 
+# --------------------------------------------------------------------------------------------------- SFT
+#
+# TRL 1.16's own SFT preprocessing (`SFTTrainer._prepare_dataset`, called on an instance built without a model) and
+# collator (`DataCollatorForLanguageModeling`); the layout is the package's `PrefixSharingCollator` with the SFT
+# trainer's examples and prompts, so the counts are what training lays out.
+
+
+def sft_dataset(dataset, tokenizer, max_length: int | None, truncation_mode: str):
+    """`dataset` as TRL's `SFTTrainer` prepares it: `input_ids` and `labels` per example (-100 on the tokens it does
+    not train on). TRL's own `_prepare_dataset` does it: `text` tokenized as it is, `messages` through the chat
+    template, `prompt` + `completion` (text or conversational) with the prompt masked (`completion_only_loss`, TRL's
+    default for that format); EOS added to text; truncated to `max_length` by `truncation_mode`, the examples left
+    with no trained token dropped. No packing, no shuffling, no `assistant_only_loss`."""
+    from types import SimpleNamespace
+
+    import trl
+
+    first = dataset[0]
+    trainer = object.__new__(trl.SFTTrainer)
+    trainer._tokenizer = tokenizer
+    trainer.chat_template = None  # TRL's own template only with `assistant_only_loss`
+    trainer.completion_only_loss = "prompt" in first and "completion" in first  # `completion_only_loss=None`
+    config = SimpleNamespace(
+        dataset_num_proc=None,
+        dataset_text_field="text",
+        assistant_only_loss=False,
+        max_length=max_length,
+        truncation_mode=truncation_mode,
+        shuffle_dataset=False,
+    )
+    return trl.SFTTrainer._prepare_dataset(trainer, dataset, tokenizer, config, False, None, "train")
+
+
+@dataclass
+class _SFTPlanCounts:
+    """What one join rule lays out over the whole dataset: per row, the start it shares with another row of its
+    shared row and the rest; totals."""
+
+    shared_lens: list[int] = field(default_factory=list)
+    rest_lens: list[int] = field(default_factory=list)
+    joined: int = 0  # rows laid out in one shared row with another
+    tokens: int = 0
+    padded: int = 0  # the shared rows, each batch's as wide as its widest
+    pairs: int = 0  # query-key pairs the mask lets through
+
+
+@dataclass
+class _SFTCounts:
+    rows: int = 0
+    batches: int = 0
+    prompt_lens: list[int] = field(default_factory=list)  # the rows that have a prompt (a start not trained on)
+    row_lens: list[int] = field(default_factory=list)
+    stock_tokens: int = 0
+    stock_padded: int = 0
+    stock_pairs: int = 0
+    plans: dict = field(default_factory=dict)  # join rule -> _SFTPlanCounts
+
+
+def _count_sft_plan(counts: _SFTPlanCounts, plan, rows: list[list[int]]) -> None:
+    """Add one micro-batch's plan (`layout.LayoutPlan`) of the stock `rows` to `counts`."""
+    from collections import Counter
+
+    order, document = plan.order.tolist(), plan.document.tolist()
+    documents = int(plan.num_documents)
+    lengths = plan.document_lengths[:documents].tolist()
+    counts.tokens += sum(lengths)
+    counts.padded += documents * max(lengths)
+    counts.pairs += int(plan.visible_pairs)
+    # in depth-first order a row shares the most with its neighbours; only those of its own shared row count
+    common = [0] * (len(order) + 1)
+    for i in range(1, len(order)):
+        if document[i] == document[i - 1]:
+            common[i] = _common_length(rows[order[i - 1]], rows[order[i]])
+    sizes = Counter(document)
+    for i, r in enumerate(order):
+        shared = max(common[i], common[i + 1])
+        counts.shared_lens.append(shared)
+        counts.rest_lens.append(len(rows[r]) - shared)
+        counts.joined += sizes[document[i]] > 1
+
+
+def _measure_sft(dataset, pad_token_id: int, batch_size: int, join: str) -> _SFTCounts:
+    """Each micro-batch of `batch_size` consecutive examples collated by TRL's SFT collator and planned as training
+    lays it out (`PrefixSharingCollator.plans`, the SFT trainer's examples and prompts): per join rule (`auto`: both
+    plans it chooses from), the positions of the shared rows."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    from ..collator import PrefixSharingCollator
+    from ..sft_trainer import sft_examples, sft_prompt_lengths
+
+    base = DataCollatorForLanguageModeling(pad_token_id=pad_token_id)
+    collator = PrefixSharingCollator(
+        base, pad_token_id, join=join, examples_of=sft_examples, prompts_of=sft_prompt_lengths
+    )
+    counts = _SFTCounts()
+    for examples in _batches(dataset.select_columns(["input_ids", "labels"]), batch_size, "Measuring"):
+        batch = base(examples)
+        rows = [example["input_ids"] for example in examples]
+        lengths = [len(row) for row in rows]
+        for example in examples:
+            start = next((i for i, label in enumerate(example["labels"]) if label != -100), 0)
+            if start:
+                counts.prompt_lens.append(start)
+        counts.rows += len(rows)
+        counts.batches += 1
+        counts.row_lens.extend(lengths)
+        counts.stock_tokens += sum(lengths)
+        counts.stock_padded += len(rows) * max(lengths)
+        counts.stock_pairs += sum(n * (n + 1) // 2 for n in lengths)
+        for plan in collator.plans(batch):
+            _count_sft_plan(counts.plans.setdefault(plan.join, _SFTPlanCounts()), plan, rows)
+    return counts
+
+
+def _sft_plan_figures(args, counts: _SFTCounts, plan: _SFTPlanCounts) -> list[float]:
+    """The lines of one join rule's plan; returns its ideals (padding-free, with padding)."""
+    n, batch_size = counts.rows, args.per_device_train_batch_size
+    indent = lambda label, text: print(f"    {label:<{_WIDTH - 2}}{text}")  # noqa: E731
+    ideal = counts.stock_tokens / max(plan.tokens, 1)
+    padded = counts.stock_padded / max(plan.padded, 1)
+    indent(
+        "shared start of a row, computed once:",
+        f"{_percentiles(plan.shared_lens)} (the tokens it has in common with another row of its shared row)",
+    )
+    indent("each row after its shared start:", f"{_percentiles(plan.rest_lens)} (tokens, not shared)")
+    indent("rows sharing a shared row:", f"{plan.joined:,} of {n:,} (the others are laid out alone, as in stock)")
+    indent(
+        "positions per example:",
+        f"stock {counts.stock_tokens / n:.1f}, shared {plan.tokens / n:.1f} (tokens, no padding)",
+    )
+    indent(
+        f"with padding, batches of {batch_size}:", f"stock {counts.stock_padded / n:.1f}, shared {plan.padded / n:.1f}"
+    )
+    indent("ideal speedup, linear layers:", f"{ideal:.2f}x (stock / shared tokens, padding not counted)")
+    indent(
+        f"ideal with padding, batches of {batch_size}:",
+        f"{padded:.2f}x (stock's padded rows / the shared rows: the positions each computes)",
+    )
+    attention = counts.stock_pairs / max(plan.pairs, 1)
+    indent("ideal speedup, attention:", f"{attention:.2f}x (stock / shared query-key pairs, padding not counted)")
+    return [ideal, padded]
+
+
+def _print_sft_report(args, counts: _SFTCounts, completion_only_loss: bool) -> None:
+    n, batch_size = counts.rows, args.per_device_train_batch_size
+    max_length = args.max_length or None
+    loss = "completion_only_loss=True" if completion_only_loss else "trained on every token"
+    print(
+        f"Dataset {args.dataset_name} ({_count(n, 'example')} after TRL's preprocessing; sft, "
+        f"max_length={max_length}, truncation {args.truncation_mode}; {loss})"
+    )
+    _line("model:", args.model_note)
+    _line(
+        "micro-batches:",
+        f"{counts.batches:,} of {batch_size} rows in the dataset's order (SFT's sampler is random: "
+        'these are the batches train_sampling_strategy="sequential" or group_by_prompt gives)',
+    )
+    if counts.prompt_lens:
+        _line("prompt tokens:", f"{_percentiles(counts.prompt_lens)} (a row's tokens before its first trained label)")
+    else:
+        _line(
+            "prompt tokens:",
+            "none: every row trains on all its tokens, so prefix_sharing_join=prompts joins only rows that repeat or "
+            "extend another",
+        )
+    _line("row tokens:", _percentiles(counts.row_lens))
+    figures = {}
+    for join, plan in counts.plans.items():
+        print(f"  prefix_sharing_join={join}:")
+        figures[join] = _sft_plan_figures(args, counts, plan)
+    if args.prefix_sharing_join == "auto":
+        print(
+            "  prefix_sharing_join=auto keeps, per micro-batch, whichever plan the step's estimated cost prefers (a "
+            "dense kernel pays rows x width^2 for attention, FlexAttention the visible pairs): its positions lie "
+            "between the two; the verdict takes the prompts plan"
+        )
+    _line("expected training speedup:", "no SFT benchmark recorded")
+    verdict = figures["prompts" if args.prefix_sharing_join == "auto" else args.prefix_sharing_join]
+    print(f"  verdict: prefix sharing {_verdict(min(verdict))} on this dataset.")
+
+
+def sft_report(dataset, tokenizer, args) -> None:
+    """The report on SFT data (`--trainer sft`): prepared as TRL's SFT trainer prepares it, each micro-batch's rows
+    laid out as training lays them out."""
+    from ..trl_internals import check_trl_internals
+
+    check_trl_internals("stats")  # TRL's SFT preparation is called as this package lists it
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    first = dataset[0]
+    completion_only_loss = "prompt" in first and "completion" in first
+    with _quiet_preprocessing(dataset):
+        dataset = _preprocess(
+            "SFTTrainer", sft_dataset, dataset, tokenizer, args.max_length or None, args.truncation_mode
+        )
+    if not len(dataset):
+        raise StatsError(
+            f"no examples left after TRL's preprocessing: truncation to --max_length {args.max_length} left none "
+            "with a token to train on; raise --max_length"
+        )
+    counts = _measure_sft(dataset, tokenizer.pad_token_id, args.per_device_train_batch_size, args.prefix_sharing_join)
+    _print_sft_report(args, counts, completion_only_loss)
+
+
 # ------------------------------------------------------------------------------------------ GRPO, RLOO, online DPO
 
 
@@ -1446,7 +1686,8 @@ def run(argv: list[str] | None = None) -> int:
     if args.max_examples:
         dataset = dataset.select(range(min(args.max_examples, len(dataset))))
     _check_columns(dataset, args)
-    (group_report if args.trainer in GROUP_TRAINERS else preference_report)(dataset, tokenizer, args)
+    report = group_report if args.trainer in GROUP_TRAINERS else sft_report if args.trainer == "sft" else None
+    (report or preference_report)(dataset, tokenizer, args)
     return 0
 
 
