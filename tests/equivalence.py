@@ -394,3 +394,26 @@ def family_config_kwargs(family, variant="default"):
     config = make_config(family, 8)
     attn_implementation = "sdpa" if MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._supports_sdpa else "eager"
     return {"attn_implementation": attn_implementation, **variant_configs(config.get_text_config())[variant]}
+
+
+def assert_grouped_by_prompt(stock, shared, groups) -> None:
+    """`group_by_prompt`: the shared trainer's training sampler draws what stock's draws (the same random stream, the
+    same examples) and puts each prompt's examples (`groups`: the prompt of every dataset index) in one run, the runs
+    in the order their first example was drawn."""
+    from trl_prefix_sharing.packing import PromptGroupSampler
+
+    torch.manual_seed(0)
+    stock_order = list(stock._get_train_sampler())
+    after_stock = torch.randint(1 << 30, ())
+    torch.manual_seed(0)
+    sampler = shared._get_train_sampler()
+    assert isinstance(sampler, PromptGroupSampler)
+    order = list(sampler)
+    assert torch.randint(1 << 30, ()) == after_stock  # the same random draws
+    assert sorted(order) == sorted(stock_order) and order != stock_order
+    runs = [g for g, _ in itertools.groupby(groups[i] for i in order)]
+    assert len(runs) == len(set(runs))  # each prompt's examples in one run
+    firsts = {}
+    for place, index in enumerate(stock_order):
+        firsts.setdefault(groups[index], place)
+    assert runs == sorted(set(runs), key=firsts.get)  # groups in the order their first example was drawn

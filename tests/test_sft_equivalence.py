@@ -11,6 +11,7 @@ import trl
 from datasets import Dataset
 from equivalence import (
     CPU_RUN,
+    assert_grouped_by_prompt,
     assert_same_loss_metrics_grads,
     assert_same_training,
     backward_grads,
@@ -237,27 +238,12 @@ def interleaved_completions(prompts=4, per_prompt=3, seed=6) -> Dataset:
 
 
 def test_group_by_prompt_keeps_a_prompts_completions_together_and_the_random_stream(tmp_path, tokenizer):
-    import itertools
-
-    import torch
-
-    from trl_prefix_sharing.packing import PromptGroupSampler
     from trl_prefix_sharing.sft_trainer import sft_prompt_groups
 
     stock, shared = make_sft_trainers(tmp_path, tokenizer, interleaved_completions(), ours={"group_by_prompt": True})
     groups = sft_prompt_groups(shared.train_dataset)
     assert len(set(groups)) == 4
-    torch.manual_seed(0)
-    stock_order = list(stock._get_train_sampler())
-    after_stock = torch.randint(1 << 30, ())
-    torch.manual_seed(0)
-    sampler = shared._get_train_sampler()
-    assert isinstance(sampler, PromptGroupSampler)
-    order = list(sampler)
-    assert torch.randint(1 << 30, ()) == after_stock  # the same random draws
-    assert sorted(order) == sorted(stock_order) and order != stock_order
-    runs = [g for g, _ in itertools.groupby(groups[i] for i in order)]
-    assert len(runs) == len(set(runs))  # each prompt's completions in one run
+    assert_grouped_by_prompt(stock, shared, groups)
 
 
 def test_group_by_prompt_needs_prompts(tmp_path, tokenizer):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from datasets import Dataset
 from equivalence import (
+    assert_grouped_by_prompt,
     assert_same_reward_step,
     assert_same_step,
     leaky_dpo_mask,
@@ -136,7 +137,7 @@ def test_a_mask_that_lets_a_subtree_see_another_fails(tmp_path, tokenizer, monke
 
 
 def test_group_by_prompt_keeps_pairs_together_and_the_random_stream(tmp_path, tokenizer):
-    from trl_prefix_sharing.packing import PromptGroupSampler, prompt_groups
+    from trl_prefix_sharing.packing import prompt_groups
 
     data = all_pairs_dataset(prompts=5, seed=3)
     stock, shared = make_trainers(
@@ -144,21 +145,7 @@ def test_group_by_prompt_keeps_pairs_together_and_the_random_stream(tmp_path, to
     )
     groups = prompt_groups(shared.train_dataset)
     assert len(set(groups)) == 5
-    torch.manual_seed(0)
-    stock_order = list(stock._get_train_sampler())
-    after_stock = torch.randint(1 << 30, ())
-    torch.manual_seed(0)
-    sampler = shared._get_train_sampler()
-    assert isinstance(sampler, PromptGroupSampler)
-    order = list(sampler)
-    assert torch.randint(1 << 30, ()) == after_stock  # the same random draws
-    assert sorted(order) == sorted(stock_order) and order != stock_order
-    runs = [g for g, _ in itertools.groupby(groups[i] for i in order)]
-    assert len(runs) == len(set(runs))  # each prompt's pairs in one run
-    firsts = {}
-    for place, index in enumerate(stock_order):
-        firsts.setdefault(groups[index], place)
-    assert runs == sorted(set(runs), key=firsts.get)  # groups in the order their first pair was drawn
+    assert_grouped_by_prompt(stock, shared, groups)
 
 
 def test_group_by_prompt_with_packing_packs_a_prompts_pairs_as_one_unit(tmp_path, tokenizer):
