@@ -54,40 +54,40 @@ def words(rng, vocabulary, n):
     return " ".join(rng.choice(vocabulary) for _ in range(n))
 
 
+def texts(profile, scale, stream):
+    """The profile's shared start, then functions that draw a question and an answer of the profile's lengths (each
+    within 30% of it), from the random stream named `stream`."""
+    from trl_prefix_sharing.testing import WORDS
+
+    shared, question, answer = lengths(profile, scale)
+    rng = random.Random(stream)
+    vocabulary = WORDS[:200]
+
+    def draw(median):
+        return words(rng, vocabulary, max(1, round(median * rng.uniform(0.7, 1.3))))
+
+    return words(rng, vocabulary, shared), lambda: draw(question), lambda: draw(answer)
+
+
 def pairs(profile, n, scale, seed=0):
     """`n` DPO pairs: the profile's shared start, a question, two answers (`rag`: questions about one document)."""
     from datasets import Dataset
 
-    from trl_prefix_sharing.testing import WORDS
-
-    shared, question, answer = lengths(profile, scale)
-    rng = random.Random(f"{profile}-{seed}")
-    vocabulary = WORDS[:200]
-    start = words(rng, vocabulary, shared)
-    rows = []
-    for _ in range(n):
-        ask = words(rng, vocabulary, max(1, round(question * rng.uniform(0.7, 1.3))))
-        chosen, rejected = (words(rng, vocabulary, max(1, round(answer * rng.uniform(0.7, 1.3)))) for _ in "cr")
-        rows.append({"prompt": f"{start} {ask}", "chosen": " " + chosen, "rejected": " " + rejected})
-    return Dataset.from_list(rows)
+    start, ask, answer = texts(profile, scale, f"{profile}-{seed}")
+    return Dataset.from_list(
+        [{"prompt": f"{start} {ask()}", "chosen": " " + answer(), "rejected": " " + answer()} for _ in range(n)]
+    )
 
 
 def sft_rows(profile, prompts, per_prompt, scale, seed=0):
     """SFT data with `per_prompt` completions of each of `prompts` prompts (rejection sampling, best-of-n)."""
     from datasets import Dataset
 
-    from trl_prefix_sharing.testing import WORDS
-
-    shared, question, answer = lengths(profile, scale)
-    rng = random.Random(f"{profile}-sft-{seed}")
-    vocabulary = WORDS[:200]
-    start = words(rng, vocabulary, shared)
+    start, ask, answer = texts(profile, scale, f"{profile}-sft-{seed}")
     rows = []
     for _ in range(prompts):
-        prompt = f"{start} {words(rng, vocabulary, max(1, round(question * rng.uniform(0.7, 1.3))))}"
-        for _ in range(per_prompt):
-            completion = words(rng, vocabulary, max(1, round(answer * rng.uniform(0.7, 1.3))))
-            rows.append({"prompt": prompt, "completion": " " + completion})
+        prompt = f"{start} {ask()}"
+        rows += [{"prompt": prompt, "completion": " " + answer()} for _ in range(per_prompt)]
     return Dataset.from_list(rows)
 
 

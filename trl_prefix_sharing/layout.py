@@ -577,36 +577,22 @@ def build_layout(
 
 def _shapes(plans: list[LayoutPlan], rows: RowPolicy) -> list:
     """Per plan: the number and width of the shared rows it needs and where its documents go, or the `ValueError`
-    saying why they do not fit `rows` (one host read for all plans; the visible pairs ride along in
-    `plan.host_pairs`)."""
-    if not rows.pack:
-        read = torch.stack(
-            [torch.stack([p.num_documents, p.document_lengths.max(), p.visible_pairs]) for p in plans]
-        ).tolist()
-        sizes = []
-        for p, (num_rows, needed, pairs) in zip(plans, read, strict=True):
-            p.host_pairs = pairs
-            sizes.append((num_rows, needed, {}))
+    saying why they do not fit `rows`. One host read for all plans (each plan's documents and visible pairs, which
+    are kept in `plan.host_pairs`, and its longest document, or every document's length when packed)."""
+    if rows.pack:
+        sizes = [torch.cat([torch.stack([p.num_documents, p.visible_pairs]), p.document_lengths]) for p in plans]
     else:
-        read = torch.cat(
-            [torch.cat([torch.stack([p.num_documents, p.visible_pairs]), p.document_lengths]) for p in plans]
-        )
-        read = read.tolist()
-        size = len(read) // len(plans)
-        sizes = []
-        for p, first in zip(plans, range(0, len(read), size), strict=True):
-            num_documents, p.host_pairs = read[first], read[first + 1]
-            try:
-                sizes.append(_placed(rows, read[first + 2 : first + 2 + num_documents], p.order.device))
-            except ValueError as error:
-                sizes.append(error)
+        sizes = [torch.stack([p.num_documents, p.visible_pairs, p.document_lengths.max()]) for p in plans]
     shapes = []
-    for shape in sizes:
+    for p, (num_documents, pairs, *lengths) in zip(plans, torch.stack(sizes).tolist(), strict=True):
+        p.host_pairs = pairs
         try:
-            shapes.append(
-                shape if isinstance(shape, ValueError) else (shape[0], max(rows.width(shape[1]), 1), shape[2])
-            )
-        except ValueError as error:
+            if rows.pack:
+                num_rows, needed, placement = _placed(rows, lengths[:num_documents], p.order.device)
+            else:
+                num_rows, needed, placement = num_documents, lengths[0], {}
+            shapes.append((num_rows, max(rows.width(needed), 1), placement))
+        except ValueError as error:  # the plan's rows do not fit `rows`
             shapes.append(error)
     return shapes
 

@@ -21,7 +21,7 @@ from .packing import grouped_by_prompt
 from .preference import CollatedSharingMixin
 
 
-__all__ = ["SFTTrainer", "sft_examples", "sft_prompt_groups", "sft_prompt_lengths"]
+__all__ = ["SFTTrainer", "prompt_end", "sft_examples", "sft_prompt_groups", "sft_prompt_lengths"]
 
 
 def sft_examples(batch) -> torch.Tensor:
@@ -38,13 +38,17 @@ def sft_prompt_lengths(batch) -> torch.Tensor:
     return torch.where(prompts == 0, attention_mask.sum(dim=1), prompts)
 
 
+def prompt_end(labels: list[int]) -> int:
+    """Where an example's prompt ends: the place of the first label it trains on (its length if none)."""
+    return next((i for i, label in enumerate(labels) if label != -100), len(labels))
+
+
 def sft_prompt_groups(dataset) -> list[int]:
     """The prompt group of every example of a prepared SFT dataset (`group_by_prompt`): its tokens before the first
     label it trains on. Data that trains on every token has no prompts to group by: an error."""
-    keys = []
-    for ids, labels in zip(dataset["input_ids"], dataset["labels"], strict=True):
-        start = next((i for i, label in enumerate(labels) if label != -100), len(labels))
-        keys.append(tuple(ids[:start]))
+    keys = [
+        tuple(ids[: prompt_end(labels)]) for ids, labels in zip(dataset["input_ids"], dataset["labels"], strict=True)
+    ]
     if not any(keys):
         raise ValueError(
             "`group_by_prompt=True` finds no prompts: every example trains on all its tokens. It needs prompt and "

@@ -1418,7 +1418,7 @@ def _measure_sft(dataset, pad_token_id: int, batch_size: int, join: str) -> _SFT
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     from ..collator import PrefixSharingCollator
-    from ..sft_trainer import sft_examples, sft_prompt_lengths
+    from ..sft_trainer import prompt_end, sft_examples, sft_prompt_lengths
 
     base = DataCollatorForLanguageModeling(pad_token_id=pad_token_id)
     collator = PrefixSharingCollator(
@@ -1429,10 +1429,8 @@ def _measure_sft(dataset, pad_token_id: int, batch_size: int, join: str) -> _SFT
         batch = base(examples)
         rows = [example["input_ids"] for example in examples]
         lengths = [len(row) for row in rows]
-        for example in examples:
-            start = next((i for i, label in enumerate(example["labels"]) if label != -100), 0)
-            if start:
-                counts.prompt_lens.append(start)
+        ends = [prompt_end(example["labels"]) for example in examples]
+        counts.prompt_lens.extend(end for end, n in zip(ends, lengths, strict=True) if 0 < end < n)
         counts.rows += len(rows)
         counts.batches += 1
         counts.row_lens.extend(lengths)
