@@ -1,15 +1,17 @@
 """The CUDA check in one command per part: the CUDA tests, compile counts, long-row peak memory, and the benchmark
 against stock TRL. Each part writes its files to `--out`.
 
-    python scripts/gpu_check.py --part tests --out results/tests         # tests/test_cuda.py
+    python scripts/gpu_check.py --part tests --jobs 3 --out results/tests  # tests/test_cuda.py, 3 processes
     python scripts/gpu_check.py --part bench-small --out results/small   # 0.5B model: DPO, reward, GRPO
     python scripts/gpu_check.py --part bench-large --out results/large   # 3B model: DPO, reward
     python scripts/gpu_check.py --merge results/tests results/small results/large --out docs/benchmarks
 
-`--part all` runs the three in one process (no time limit of its own); `--tests-k` runs part of tests/test_cuda.py
-(merge the parts); `--dry-run` runs the same code on CPU with tiny models and lengths (tests/test_gpu_check.py does,
-so that a typo or an import error shows before a GPU is used). Each single part stops starting new work after
-`--deadline-s` (540 s by default) and writes what it measured, with the rest listed as not run.
+`--part all` runs the three in one process (no time limit of its own); `--jobs N` runs tests/test_cuda.py in N
+processes side by side on the one GPU (each takes every N-th test, the measured ones first); `--tests-k` runs part of
+tests/test_cuda.py (merge the parts); `--dry-run` runs the same code on CPU with tiny models and lengths
+(tests/test_gpu_check.py does, so that a typo or an import error shows before a GPU is used). Each single part stops
+starting new work after `--deadline-s` (540 s by default) and writes what it measured, with the rest listed as not
+run.
 
 Files in `--out`:
 - `gpu_tests.json`: device, versions, pytest's counts over tests/test_cuda.py, the compiled variants of
@@ -204,13 +206,19 @@ def environment(dry_run: bool) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- the tests part
+#: `"i/n"` in a worker's environment: it runs the i-th of n parts of the collected tests (`run_pytest`'s `jobs`)
+SHARD_VARIABLE = "GPU_CHECK_SHARD"
+
+
 class Recorder:
     """pytest plugin (in the worker process): runs `FIRST_TESTS` first and appends every test report, with the
     properties tests record (`record_property`), to a JSON-lines file as it arrives, so that a run cut short by the
-    time limit still leaves what it finished."""
+    time limit still leaves what it finished. With `SHARD_VARIABLE` set to `"i/n"` it keeps every n-th test from the
+    i-th on (the measured ones first, so that each part starts with one) and deselects the rest."""
 
     def __init__(self, path):
         self.path = path
+        self.shard, self.shards = map(int, os.environ.get(SHARD_VARIABLE, "0/1").split("/"))
 
     def _write(self, record):
         with open(self.path, "a") as f:
@@ -218,7 +226,10 @@ class Recorder:
 
     def pytest_collection_modifyitems(self, session, config, items):
         first = [item for item in items if item.name.startswith(FIRST_TESTS)]
-        items[:] = first + [item for item in items if item not in first]
+        ordered = first + [item for item in items if item not in first]
+        items[:] = ordered[self.shard :: self.shards]
+        if len(items) < len(ordered):
+            config.hook.pytest_deselected(items=[item for item in ordered if item not in items])
 
     def pytest_collection_finish(self, session):
         self._write({"event": "collected", "count": len(session.items)})
@@ -248,37 +259,67 @@ def pytest_worker(record_path, pytest_args) -> int:
     return int(pytest.main(pytest_args, plugins=[Recorder(record_path)]))
 
 
-def run_pytest(pytest_args, log_path, timeout_s, env=None) -> dict:
-    """pytest in a child process (fresh CUDA and dynamo state), its output to `log_path`, stopped after `timeout_s`;
-    the outcome per test from the records the child wrote."""
+def run_pytest(pytest_args, log_path, timeout_s, env=None, jobs=1) -> dict:
+    """pytest in `jobs` child processes side by side (each with fresh CUDA and dynamo state, the collected tests dealt
+    out in turn), their output to `log_path` one part after another, all stopped after `timeout_s`; the outcome per
+    test from the records the children wrote."""
+    env = dict(os.environ if env is None else env)
+    logs = [log_path] if jobs == 1 else [f"{log_path}.{shard}" for shard in range(jobs)]
     with tempfile.TemporaryDirectory() as tmp:
-        record_path = os.path.join(tmp, "records.jsonl")
-        command = [sys.executable, os.path.abspath(__file__), "--pytest-worker", record_path, "--", *pytest_args]
-        start, timed_out = time.monotonic(), False
-        with open(log_path, "w") as out:
-            child = subprocess.Popen(
-                command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-            try:
-                returncode = child.wait(timeout=max(timeout_s, 1))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                os.killpg(child.pid, signal.SIGTERM)
-                try:
-                    returncode = child.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    os.killpg(child.pid, signal.SIGKILL)
-                    returncode = child.wait()
+        records_paths = [os.path.join(tmp, f"records{shard}.jsonl") for shard in range(jobs)]
+        start, children = time.monotonic(), []
+        for shard, (records_path, part_log) in enumerate(zip(records_paths, logs, strict=True)):
+            command = [sys.executable, os.path.abspath(__file__), "--pytest-worker", records_path, "--", *pytest_args]
+            with open(part_log, "w") as out:
+                children.append(
+                    subprocess.Popen(
+                        command,
+                        cwd=ROOT,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        env={**env, SHARD_VARIABLE: f"{shard}/{jobs}"},
+                        start_new_session=True,
+                    )
+                )
+        timed_out = _wait_or_stop(children, start + max(timeout_s, 1))
         records = []
-        if os.path.exists(record_path):
-            with open(record_path) as f:
-                records = [json.loads(line) for line in f if line.strip()]
+        for records_path in records_paths:
+            if os.path.exists(records_path):
+                with open(records_path) as f:
+                    records += [json.loads(line) for line in f if line.strip()]
+    if jobs > 1:
+        with open(log_path, "w") as out:
+            for shard, part_log in enumerate(logs):
+                with open(part_log, errors="replace") as f:
+                    out.write(f"[gpu_check: part {shard + 1} of {jobs}]\n" + f.read() + "\n")
+                os.remove(part_log)
     summary = summarise_records(records)
+    returncode = max((child.returncode for child in children), key=abs)
     summary.update(returncode=returncode, timed_out=timed_out, duration_s=round(time.monotonic() - start, 1))
     if timed_out:
         with open(log_path, "a") as out:
             out.write(f"\n[gpu_check: stopped after {timeout_s:.0f} s; {summary['not_run']} tests not run]\n")
     return summary
+
+
+def _wait_or_stop(children, deadline) -> bool:
+    """Wait for every child until `deadline` (monotonic); stop (SIGTERM, then SIGKILL) those still running then.
+    Whether any had to be stopped."""
+    for child in children:
+        try:
+            child.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            break
+    running = [child for child in children if child.poll() is None]
+    for child in running:
+        os.killpg(child.pid, signal.SIGTERM)
+    for child in running:
+        try:
+            child.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+    return bool(running)
 
 
 def summarise_records(records) -> dict:
@@ -333,8 +374,12 @@ def run_tests_part(args, env, command, deadline) -> dict:
         "PYTHONPATH": python_path,
     }
     timeout = deadline.left() - 20 if deadline.limited else 24 * 3600
-    log("tests: pytest", " ".join(pytest_args), f"(stopped after {timeout:.0f} s)")
-    summary = run_pytest(pytest_args, log_path, timeout, env=child_env)
+    log(
+        "tests: pytest",
+        " ".join(pytest_args),
+        f"in {args.jobs} process(es) side by side (stopped after {timeout:.0f} s)",
+    )
+    summary = run_pytest(pytest_args, log_path, timeout, env=child_env, jobs=args.jobs)
     cap_log(log_path)
     report = summary["properties"].get("compile_report", {})
     data = {
@@ -1208,6 +1253,13 @@ def main(argv=None):
         default=None,
         help="pytest -k expression: run part of tests/test_cuda.py (merge the parts' gpu_tests.json)",
     )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="tests: run tests/test_cuda.py in this many processes side by side on the one device (each takes every "
+        "n-th test; their records and logs are combined)",
+    )
     parser.add_argument("--pairs", type=int, default=None, help="pairs per profile (default per model)")
     parser.add_argument("--repeats", type=int, default=None, help="timed epochs per variant (default per model)")
     parser.add_argument("--batch-size", type=int, default=None, help="pairs per step (default 8)")
@@ -1216,6 +1268,8 @@ def main(argv=None):
     if args.merge:
         merge(args.merge, args.out, command)
         return 0
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs {args.jobs}: give 1 or more processes.")
     if args.deadline_s is None:
         args.deadline_s = 0 if args.part in ("bench", "all") else 540
     deadline = Deadline(args.deadline_s)

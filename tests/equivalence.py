@@ -136,6 +136,11 @@ def assert_same_loss_metrics_grads(stock, shared, atol=1e-5, rtol=1e-5, min_metr
         torch.testing.assert_close(got_grads[name], grad, atol=atol, rtol=rtol, msg=lambda m, n=name: f"grad {n}: {m}")
 
 
+def positions(batch) -> int:
+    """The positions a batch's layout computes (its documents' tokens, padding left out)."""
+    return int((batch["prefix_sharing"].document_ids >= 0).sum())
+
+
 def step(trainer, examples):
     """One training loss + backward on `examples`: loss, gradients by name, per-pair policy log-probs, metrics."""
     trainer.model.train()

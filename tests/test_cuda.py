@@ -1,13 +1,14 @@
 """CUDA only (skipped elsewhere): the path CUDA users take, `prefix_sharing_attn_implementation="auto"` = compiled
 `create_block_mask` + transformers' compiled `flex_attention`, trains to stock TRL's numbers (FlexAttention has no
 backward on CPU, so this is where its gradients are checked), compiles a bounded number of times and never runs
-FlexAttention uncompiled. 58 tests; run them with `python scripts/gpu_check.py --part tests --out DIR`, which also
+FlexAttention uncompiled. 65 tests; run them with `python scripts/gpu_check.py --part tests --out DIR`, which also
 collects the compile counts and the long-row peak memory they record. Commands and results:
 docs/benchmarks/gpu_tests.md.
 
 - the matrix: the four families x {sharing, sharing + packing} x {DPO, reward, ranked reward}, fp32 (TF32 off), equal
   to stock at the CPU tests' tolerance (1e-5), gradient checkpointing on (TRL's default, switched on as `train()`
   does);
+- the prefix trie, KTO, ORPO and CPO; sharing across examples (`prefix_sharing_join="always"`) and SFT (every join);
 - bf16 within the tolerance of the user guide's "Precision" (docs/guide.md); every trainer's policy and reference
   passes under `bf16=True` in stock's dtype; sliding-window models; LoRA; GRPO and online DPO passes;
 - compile stability over 39 training and evaluation steps of varying lengths; peak memory of a long-row step.
@@ -20,12 +21,14 @@ import pytest
 import torch
 from compile_watch import CompileWatch, compile_schedule, cuda_schedule_data
 from equivalence import (
+    assert_same_loss_metrics_grads,
     assert_same_reward_step,
     assert_same_step,
     awkward_text_dataset,
     compare_step,
     make_reward_trainers,
     make_trainers,
+    positions,
     reward_step,
     step,
 )
@@ -193,7 +196,7 @@ def _assert_flex_ran(trainer, watch):
 def test_dpo_trie_matches_stock(tmp_path, tokenizer, data, packing):
     """The prefix trie: several pairs of one prompt, a pair at every turn of a conversation, duplicate prompts, merged
     into one tree per micro-batch (packed into one row with packing), equal to stock with fewer positions."""
-    from test_trie_sharing import DATASETS, positions
+    from test_trie_sharing import DATASETS
 
     stock, shared = checkpoint_as_train_does(
         *make_trainers(
@@ -270,6 +273,66 @@ def test_orpo_cpo_step_matches_stock(tmp_path, tokenizer, monkeypatch, family, s
         got = loss_and_grads(shared, examples)
         _assert_flex_ran(shared, watch)
     assert_same_batch(expected, got, **FP32)
+
+
+# ----------------------------------------------------------------------------------- across examples (joins), SFT
+@pytest.mark.parametrize("packing", [False, True], ids=["sharing", "sharing+packing"])
+def test_dpo_join_always_matches_stock(tmp_path, tokenizer, packing):
+    """`prefix_sharing_join="always"`: pairs of different prompts after one system prompt, laid out as one tree (one
+    row unpacked), the system prompt computed once, equal to stock with fewer positions than `"prompts"` lays out."""
+    from test_join import system_prompt_pairs
+
+    ours = _ours(packing, prefix_sharing_join="always")
+    stock, shared = checkpoint_as_train_does(
+        *make_trainers(
+            tmp_path, "qwen3", system_prompt_pairs(), tokenizer, config_kwargs=CUDA_SIZES, ours=ours, **ON_GPU
+        )
+    )
+    examples = list(stock.train_dataset)
+    expected, got = step(stock, examples), step(shared, examples)
+    assert_same_step(expected, got, **FP32)
+    _check_flex(shared, got["batch"])
+    assert got["batch"]["prefix_sharing"].join == "always"
+    shared.data_collator.join = "prompts"
+    assert positions(got["batch"]) < positions(shared.data_collator(examples))
+
+
+@pytest.mark.parametrize(
+    "family,data,join",
+    [
+        ("llama", "completions", "prompts"),  # several completions of one prompt
+        ("qwen3", "messages", "always"),  # conversations after one system prompt
+        ("mistral", "text", "always"),  # plain text (every token trained) after a shared preamble
+        ("qwen2", "completions", "auto"),  # the join FlexAttention's cost picks
+    ],
+)
+def test_sft_step_matches_stock(tmp_path, tokenizer, monkeypatch, family, data, join):
+    """SFT: TRL's loss through its fused log-prob head, `entropy`, `mean_token_accuracy`, `num_tokens` and every
+    gradient equal stock's, with fewer positions than stock's padded rows."""
+    from test_sft_equivalence import DATASETS, make_sft_trainers, sft_step
+
+    stock, shared = checkpoint_as_train_does(
+        *make_sft_trainers(
+            tmp_path,
+            tokenizer,
+            DATASETS[data](),
+            family=family,
+            ours={"prefix_sharing_join": join},
+            config_kwargs=CUDA_SIZES,
+            **ON_GPU,
+        )
+    )
+    examples = [stock.train_dataset[i] for i in range(len(stock.train_dataset))]
+    expected = sft_step(stock, examples)
+    with CompileWatch(monkeypatch) as watch:
+        got = sft_step(shared, examples)
+        _assert_flex_ran(shared, watch)
+    assert_same_loss_metrics_grads(expected, got, min_metrics=3, **FP32)
+    _check_flex(shared, got[3])
+    layout = got[3]["prefix_sharing"]
+    assert int((layout.document_ids >= 0).sum()) < int(expected[3]["attention_mask"].sum())
+    if join == "always":
+        assert layout.join == "always" and layout.input_ids.shape[0] < len(examples)
 
 
 # ------------------------------------------------------------------------------------------------- bf16, sliding, LoRA

@@ -6,6 +6,7 @@ import ast
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -46,7 +47,7 @@ def _env():
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check") / "out"
-    command = [sys.executable, "scripts/gpu_check.py", "--dry-run", "--part", "all", "--out", str(out)]
+    command = [sys.executable, "scripts/gpu_check.py", "--dry-run", "--part", "all", "--jobs", "2", "--out", str(out)]
     result = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
@@ -66,10 +67,10 @@ def test_dry_run_writes_the_files_a_gpu_run_keeps(dry_run):
 def test_dry_run_gpu_tests_json_has_the_schema_and_the_real_counts(dry_run):
     data = json.loads((dry_run / "gpu_tests.json").read_text())
     assert set(gpu_check.GPU_TESTS_KEYS) <= set(data)
-    assert data["collected"] == 58  # tests/test_cuda.py, collected (an import error there fails here)
-    assert data["passed"] + data["failed"] + data["skipped"] + data["not_run"] == 58
+    assert data["collected"] == 65  # tests/test_cuda.py, collected (an import error there fails here)
+    assert data["passed"] + data["failed"] + data["skipped"] + data["not_run"] == 65
     if not torch.cuda.is_available():
-        assert data["skipped"] == 58 and data["skip_reasons"] == ["Skipped: needs CUDA (FlexAttention backward)"]
+        assert data["skipped"] == 65 and data["skip_reasons"] == ["Skipped: needs CUDA (FlexAttention backward)"]
     assert isinstance(data["recompiles"], dict) and isinstance(data["peak_memory_gb"], dict)
     assert data["command"].startswith("python scripts/gpu_check.py") and "--dry-run" in data["command"]
     assert data["torch"] == torch.__version__ and data["environment"]["dry_run"] is True
@@ -240,6 +241,22 @@ def test_pytest_runner_counts_outcomes_runs_measurements_first_and_keeps_propert
     assert "boom" in messages["test_fails"] and "broken fixture" in messages["test_error"]
     text = log.read_text()
     assert text.index("test_long_row_step_records") < text.index("test_passes")  # measurements first
+
+
+@pytest.mark.long
+def test_pytest_runner_deals_the_tests_out_to_processes_side_by_side(tmp_path):
+    (tmp_path / "test_sample.py").write_text(TESTS)
+    log = tmp_path / "log.txt"
+    pytest_args = ["-v", "-p", "no:cacheprovider", str(tmp_path / "test_sample.py")]
+    summary = gpu_check.run_pytest(pytest_args, log, 120, jobs=2)
+    assert (summary["passed"], summary["failed"], summary["skipped"], summary["errors"]) == (2, 1, 1, 1)
+    assert summary["collected"] == 5 and summary["not_run"] == 0 and not summary["timed_out"]
+    assert summary["properties"] == {"peak_memory_gb": {"long_row": 0.5}}
+    parts = log.read_text().split("[gpu_check: part 2 of 2]")
+    assert len(parts) == 2 and parts[0].startswith("[gpu_check: part 1 of 2]")
+    ran = [set(re.findall(r"::(test_\w+)", part)) for part in parts]  # each test in one part; the measured one first
+    assert len(ran[0]) + len(ran[1]) == 5 and not ran[0] & ran[1] and "test_long_row_step_records" in ran[0]
+    assert sorted(os.listdir(tmp_path)) == ["log.txt", "test_sample.py"]  # the parts' own logs removed
 
 
 @pytest.mark.long

@@ -15,6 +15,7 @@ from equivalence import (
     leaky_dpo_mask,
     make_reward_trainers,
     make_trainers,
+    positions,
     reward_step,
     step,
 )
@@ -57,10 +58,6 @@ def system_prompt_pairs(n=8, seed=0, conversational=False) -> Dataset:
             rows.append({"prompt": f"{SYSTEM} {question}".strip(), "chosen": " " + chosen, "rejected": " " + rejected})
     rows[3] = dict(rows[1])
     return Dataset.from_list(rows)
-
-
-def positions(batch) -> int:
-    return int((batch["prefix_sharing"].document_ids >= 0).sum())
 
 
 # ----------------------------------------------------------------------------------------------- the layout

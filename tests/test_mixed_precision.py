@@ -127,6 +127,23 @@ def _paired(kind):
     return build
 
 
+def _sft(ours, tmp_path, tokenizer, weights=torch.float32, model_kwargs=None, **overrides):
+    """SFT on several completions per prompt (joined by the default `"auto"`), from its test module's builder."""
+    import test_sft_equivalence
+
+    pair = test_sft_equivalence.make_sft_trainers(
+        tmp_path,
+        tokenizer,
+        test_sft_equivalence.completions_dataset(),
+        family=FAMILY,
+        config_kwargs=model_kwargs,
+        weights=weights,
+        max_steps=1,
+        **overrides,
+    )
+    return pair[1] if ours else pair[0]
+
+
 TRAINERS = {
     "dpo": _dpo,
     "reward": _reward,
@@ -136,6 +153,7 @@ TRAINERS = {
     "kto": _paired("kto"),
     "orpo": _paired("orpo"),
     "cpo": _paired("cpo"),
+    "sft": _sft,
 }
 
 
@@ -182,7 +200,7 @@ def check_passes_in_stocks_dtype(
         )
         for ours in (False, True)
     )
-    expected_roles = {"policy"} if kind in ("reward", "orpo", "cpo") else {"policy", "reference"}
+    expected_roles = {"policy"} if kind in ("reward", "orpo", "cpo", "sft") else {"policy", "reference"}
     assert set(stock_dtypes) == expected_roles and all(dtypes == {torch.bfloat16} for dtypes in stock_dtypes.values())
     assert shared_dtypes == stock_dtypes
     assert _assert_same_first_step(stock_log, shared_log, atol=atol, rtol=rtol) >= 4

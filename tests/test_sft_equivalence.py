@@ -7,6 +7,7 @@ import copy
 import random
 
 import pytest
+import torch
 import trl
 from datasets import Dataset
 from equivalence import (
@@ -80,23 +81,25 @@ DATASETS = {"completions": completions_dataset, "messages": messages_dataset, "t
 
 
 def sft_args(tmp_path, ours: dict | None, **overrides):
-    kwargs = dict(
-        output_dir=str(tmp_path / f"run{random.randrange(10**9)}"),
-        per_device_train_batch_size=8,
-        per_device_eval_batch_size=8,
-        learning_rate=1e-3,
-        max_steps=2,
+    kwargs = {
+        "output_dir": str(tmp_path / f"run{random.randrange(10**9)}"),
+        "per_device_train_batch_size": 8,
+        "per_device_eval_batch_size": 8,
+        "learning_rate": 1e-3,
+        "max_steps": 2,
         **CPU_RUN,
-        **overrides,
-    )
+        **overrides,  # may override `CPU_RUN` (bf16, use_cpu)
+    }
     if ours is None:
         return trl.SFTConfig(**kwargs)
     return SFTConfig(**{"prefix_sharing": True, **ours}, **kwargs)
 
 
-def make_sft_trainers(tmp_path, tokenizer, dataset, family="llama", ours=None, config_kwargs=None, **overrides):
-    """(stock TRL's `SFTTrainer`, ours) from identical models; `ours`: fields only our config has."""
-    model = make_model(family, len(tokenizer), seed=0, **(config_kwargs or {}))
+def make_sft_trainers(
+    tmp_path, tokenizer, dataset, family="llama", ours=None, config_kwargs=None, weights=torch.float32, **overrides
+):
+    """(stock TRL's `SFTTrainer`, ours) from identical models in `weights`' dtype; `ours`: our config's own fields."""
+    model = make_model(family, len(tokenizer), seed=0, **(config_kwargs or {})).to(weights)
     return [
         cls(
             model=copy.deepcopy(model),

@@ -16,6 +16,7 @@ from equivalence import (
     leaky_dpo_mask,
     make_reward_trainers,
     make_trainers,
+    positions,
     reward_step,
     step,
 )
@@ -72,10 +73,6 @@ def duplicates_dataset() -> Dataset:
 
 
 DATASETS = {"all_pairs": all_pairs_dataset, "multi_turn": multi_turn_dataset, "duplicates": duplicates_dataset}
-
-
-def positions(batch) -> int:
-    return int((batch["prefix_sharing"].document_ids >= 0).sum())
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
