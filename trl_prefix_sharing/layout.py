@@ -202,7 +202,6 @@ class LayoutPlan:
     input_ids: torch.Tensor  # [R, L] stock ids, sorted rows
     score_padding: bool
     join: str = "prompts"  # the join rule that made this plan
-    host_pairs: int | None = None  # `visible_pairs`, once read to the host by `build_layout`
 
     @property
     def visible_pairs(self) -> torch.Tensor:
@@ -559,7 +558,7 @@ def build_layout(
     shapes = _shapes(plans, rows)
     if len(plans) > 1 and cost is None:
         raise ValueError("Choosing between layout plans (`join='auto'`) needs the step's cost model (`cost`).")
-    chosen = _cheapest(plans, shapes, cost) if len(plans) > 1 else 0
+    chosen = _cheapest(shapes, cost) if len(plans) > 1 else 0
     if isinstance(shapes[chosen], ValueError):  # no plan fits the rows
         if plans[chosen].join != "always":
             raise shapes[chosen]
@@ -568,7 +567,7 @@ def build_layout(
             "join one document, which can outgrow a fixed packed row: set `prefix_sharing_join='auto'` (which keeps "
             "to plans that fit) or `'prompts'`, or a larger `packing_length`."
         ) from shapes[chosen]
-    num_rows, width, placement = shapes[chosen]
+    num_rows, width, placement, _ = shapes[chosen]
     layout = assemble_layout(plans[chosen], num_rows, width, pad_token_id=pad_token_id, **placement)
     layout.check = check
     layout.join = plans[chosen].join
@@ -576,22 +575,22 @@ def build_layout(
 
 
 def _shapes(plans: list[LayoutPlan], rows: RowPolicy) -> list:
-    """Per plan: the number and width of the shared rows it needs and where its documents go, or the `ValueError`
-    saying why they do not fit `rows`. One host read for all plans (each plan's documents and visible pairs, which
-    are kept in `plan.host_pairs`, and its longest document, or every document's length when packed)."""
+    """Per plan: the number and width of the shared rows it needs, where its documents go and the query-key pairs
+    its mask lets through (`visible_pairs`), or the `ValueError` saying why its documents do not fit `rows`. One host
+    read for all plans (each plan's documents, visible pairs, and longest document, or every document's length when
+    packed)."""
     if rows.pack:
         sizes = [torch.cat([torch.stack([p.num_documents, p.visible_pairs]), p.document_lengths]) for p in plans]
     else:
         sizes = [torch.stack([p.num_documents, p.visible_pairs, p.document_lengths.max()]) for p in plans]
     shapes = []
     for p, (num_documents, pairs, *lengths) in zip(plans, torch.stack(sizes).tolist(), strict=True):
-        p.host_pairs = pairs
         try:
             if rows.pack:
                 num_rows, needed, placement = _placed(rows, lengths[:num_documents], p.order.device)
             else:
                 num_rows, needed, placement = num_documents, lengths[0], {}
-            shapes.append((num_rows, max(rows.width(needed), 1), placement))
+            shapes.append((num_rows, max(rows.width(needed), 1), placement, pairs))
         except ValueError as error:  # the plan's rows do not fit `rows`
             shapes.append(error)
     return shapes
@@ -619,13 +618,14 @@ def _placed(rows: RowPolicy, lengths: list[int], device) -> tuple[int, int, dict
     return len(placed), max(row_lens, default=0), placement
 
 
-def _cheapest(plans: list[LayoutPlan], shapes: list, cost) -> int:
-    """The plan whose step `cost` estimates lowest (the first on a tie); a plan whose rows do not fit is no choice."""
+def _cheapest(shapes: list, cost) -> int:
+    """The plan (by its `_shapes` entry) whose step `cost` estimates lowest (the first on a tie); a plan whose rows
+    do not fit is no choice."""
     estimates = [
-        float("inf") if isinstance(shape, ValueError) else cost.estimate(shape[0], shape[1], p.host_pairs)
-        for p, shape in zip(plans, shapes, strict=True)
+        float("inf") if isinstance(shape, ValueError) else cost.estimate(shape[0], shape[1], shape[3])
+        for shape in shapes
     ]
-    return min(range(len(plans)), key=estimates.__getitem__)
+    return min(range(len(shapes)), key=estimates.__getitem__)
 
 
 def shared_group_layout(
