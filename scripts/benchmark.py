@@ -42,7 +42,9 @@ PROFILES = {
     "UltraFeedback": (121, 288),
 }
 VARIANTS = ["stock", "sharing", "packing", "sharing+packing"]
-#: sharing with SDPA's dense mask instead of FlexAttention (the CUDA default): the kernel choice, measured
+#: a variant named `<variant>-<kernel>` runs with that `prefix_sharing_attn_implementation` (without: `"auto"`)
+KERNELS = {"varlen": "varlen", "flex": "flex_attention", "sdpa": "sdpa"}
+#: sharing with SDPA's dense mask: the kernel choice, measured
 SDPA_VARIANT = "sharing-sdpa"
 
 
@@ -168,9 +170,10 @@ def make_trainer(kind, variant, model, tokenizer, dataset, args, tmp):
         disable_tqdm=True,
         dataloader_drop_last=False,
     )
-    ours = {"prefix_sharing": "sharing" in variant, "packing": "packing" in variant}
-    if variant == SDPA_VARIANT:
-        ours["prefix_sharing_attn_implementation"] = "sdpa"
+    base, _, kernel = variant.partition("-")
+    ours = {"prefix_sharing": "sharing" in base, "packing": "packing" in base}
+    if kernel:
+        ours["prefix_sharing_attn_implementation"] = KERNELS[kernel]
     if kind == "dpo":
         if variant == "stock":
             trainer = trl.DPOTrainer(
@@ -237,12 +240,13 @@ def run_profile(kind, model, tokenizer, dataset, args, tmp):
     """All variants on one profile, interleaved: warm-up epoch each, then `args.repeats` rounds of one epoch per
     variant in a rotating order (drift and noise hit every variant alike); throughput from the median epoch."""
     cuda = args.mode == "gpu"
-    trainers = {variant: make_trainer(kind, variant, model, tokenizer, dataset, args, tmp) for variant in VARIANTS}
+    variants = VARIANTS + args.extra_variants
+    trainers = {variant: make_trainer(kind, variant, model, tokenizer, dataset, args, tmp) for variant in variants}
     for trainer in trainers.values():  # warm-up (and FlexAttention compilation on CUDA): not timed
         train_one_epoch(trainer, cuda)
     counts = {v: (t.counter.positions, t.counter.tokens, t.counter.batches) for v, t in trainers.items()}
     for round_ in range(args.repeats):
-        for variant in VARIANTS[round_ % len(VARIANTS) :] + VARIANTS[: round_ % len(VARIANTS)]:
+        for variant in variants[round_ % len(variants) :] + variants[: round_ % len(variants)]:
             train_one_epoch(trainers[variant], cuda)
     results = {}
     for variant, trainer in trainers.items():
@@ -258,6 +262,7 @@ def run_profile(kind, model, tokenizer, dataset, args, tmp):
             "activation_mb": trainer.meter.peak / 2**20,
             "peak_memory_gb": trainer.peak_memory / 2**30 if cuda else None,
             "packing_efficiency": trainer.efficiency,
+            "attn_implementation": getattr(getattr(trainer, "sharing", None), "attn_implementation", None),
         }
     del trainers
     gc.collect()
@@ -489,6 +494,7 @@ def write_outputs(results, args, command):
             "(packing / both) | pairs per step (stock / sharing / packing / both) | activation MB per step "
             "(stock / sharing / packing / both) |"
             + (" peak GPU memory GB (stock / sharing / packing / both) |" if gpu else "")
+            + (" other kernels: speedup (positions per pair, activation MB) |" if args.extra_variants else "")
         )
         lines += [f"## {kind.upper()}", "", header, "|" + "---|" * (header.count(" | ") + 1)]
         for profile, by_variant in results[kind].items():
@@ -523,6 +529,14 @@ def write_outputs(results, args, command):
             ]
             if gpu:
                 cells.append(each("peak_memory_gb", "{:.2f}"))
+            if args.extra_variants:
+                cells.append(
+                    "; ".join(
+                        f"{v} {speed[v]:.2f}x ({by_variant[v]['positions_per_pair']:.0f}, "
+                        f"{by_variant[v]['activation_mb']:.1f})"
+                        for v in args.extra_variants
+                    )
+                )
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     path = os.path.join(args.out, f"{args.mode}.md")
@@ -580,6 +594,12 @@ def main():
     parser.add_argument("--length-scale", type=float, default=None)
     add_model_options(parser)
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument(
+        "--extra-variants",
+        default="",
+        help="more variants, comma-separated, each `<variant>-<kernel>` with a kernel of "
+        f"{sorted(KERNELS)} (e.g. sharing-varlen,sharing+packing-varlen): timed with the others, in their own column",
+    )
     parser.add_argument("--out", default="docs/benchmarks")
     parser.add_argument(
         "--record",
@@ -598,6 +618,11 @@ def main():
     args.batch_size = args.batch_size or (8 if gpu else 4)
     args.length_scale = args.length_scale or (1.0 if gpu else 0.25)
     args.kinds = args.kinds.split(",")
+    args.extra_variants = [v for v in args.extra_variants.split(",") if v]
+    for variant in args.extra_variants:
+        base, _, kernel = variant.partition("-")
+        if base not in VARIANTS[1:] or kernel not in KERNELS:
+            raise SystemExit(f"error: --extra-variants takes <variant>-<kernel>: {VARIANTS[1:]} x {sorted(KERNELS)}")
     command = shlex.join(["python", "scripts/benchmark.py", *sys.argv[1:]])
 
     args.device_name, tokenizer = quiet_setup(gpu, args.model)

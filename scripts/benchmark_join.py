@@ -232,7 +232,7 @@ def visible_pairs(layout) -> int:
 def run(trainer_name, profile, model, tokenizer, args, tmp):
     from trl_prefix_sharing.cost import StepCost
 
-    cost, flex = StepCost.of_model(model, "sdpa"), StepCost.of_model(model, "flex_attention")
+    cost, flex = StepCost.of_model(model, dense=True), StepCost.of_model(model, dense=False)
     dataset, rows, batch = None, None, 16  # GRPO: `examples` prompts x 4 generations
     if trainer_name == "dpo":
         dataset, batch = pairs(profile, args.examples, args.length_scale), args.examples

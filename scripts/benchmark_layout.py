@@ -153,7 +153,7 @@ def median_ms(fn, device, repeats=7) -> float:
 
 
 def run(device: torch.device) -> dict:
-    from trl_prefix_sharing.attention import build_attention_mask
+    from trl_prefix_sharing.attention import BACKENDS
     from trl_prefix_sharing.layout import prompt_lengths_from_completion_mask
     from trl_prefix_sharing.testing import make_model
 
@@ -173,7 +173,7 @@ def run(device: torch.device) -> dict:
 
     def grpo_trie_mask():
         layout = grpo_trie()
-        return build_attention_mask(layout, "sdpa", config)
+        return BACKENDS["sdpa"].inputs(layout, config)
 
     def dpo_trie():
         prompts = prompt_lengths_from_completion_mask(d_mask_d, d_completion_d)

@@ -261,7 +261,7 @@ def positions(batches, trainer, args):
             mask,
             prompt_ids.shape[1],
             0,
-            pad_to_multiple_of=trainer.sharing.row_multiple,
+            rows=trainer.sharing.rows,
             score_padding=online_dpo,
         )
         counts["stock_padded_positions"] += ids.numel()

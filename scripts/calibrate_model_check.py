@@ -110,10 +110,11 @@ def chat_examples(tokenizer, seed: int):
 
 def measure(model, rows, tokenizer) -> dict:
     from trl_prefix_sharing.architectures import window_layout
+    from trl_prefix_sharing.attention import BACKENDS
     from trl_prefix_sharing.model_check import run_model_check
     from trl_prefix_sharing.session import PrefixSharingSession
 
-    sharing = PrefixSharingSession([model], tokenizer, "sdpa", torch.device("cpu"), fuse_lm_head=True)
+    sharing = PrefixSharingSession([model], tokenizer, BACKENDS["sdpa"], fuse_lm_head=True)
     sharing.attach()
     try:
         result = run_model_check(

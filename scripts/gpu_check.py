@@ -20,17 +20,22 @@ Files in `--out`:
 - `cuda_tests.log`: pytest's output (`-v -s`, with the recompilation reasons);
 - `gpu.json`: the schema of `cpu.json` (`command`, `device`, `model`, `results`) plus the versions, with `results`
   per model: kind -> profile -> variant; each variant also has its step time, the host time of the layout (collation)
-  and of the mask per step, the mask's GPU time, peak memory and compiled variants; `grpo`: GRPO per profile;
+  and of the attention inputs (mask or segments) per step, their GPU time, peak memory, compiled variants, the kernel
+  it ran and the SDPA kernels its profiled epoch ran; `grpo`: GRPO per profile; `attention`: the attention-only
+  microbenchmark per profile (GPU and host ms per call of one layer's forward and backward, per kernel);
 - `gpu.md` and `gpu_speedup.svg`: the tables beside the paper's speedups, and the plot;
 - `gpu_check.log`: this script's progress.
 
 Benchmark method: for each model, kind (DPO, reward) and profile (the paper's six datasets: synthetic pairs with their
 median prompt and completion lengths, lognormal spread), the variants (stock TRL with SDPA and padding, as users
-run it; prefix sharing; packing; both; and sharing with SDPA's dense mask instead of FlexAttention, unless
-`--skip-sdpa`) train one after another from the same weights in bf16 with TRL's default gradient checkpointing: one
+run it; prefix sharing with `"auto"`, which takes the varlen kernel in bf16; packing; both; sharing with
+FlexAttention; and sharing with SDPA's dense mask, unless `--skip-sdpa`) train one after another from the same weights
+in bf16 with TRL's default gradient checkpointing: one
 warm-up epoch (compilation; activation memory), then `repeats` timed epochs, throughput from the median epoch, then
 one profiled epoch (unless `--skip-profile`: the GPU's busy time per step and the top operators). GRPO: TRL-shaped
-generation batches through TRL's `compute_loss` and backward, stock vs sharing, median of interleaved repeats.
+generation batches through TRL's `compute_loss` and backward, stock vs sharing, median of interleaved repeats. Before
+the small model's trainers, the attention microbenchmark times one attention layer of its shape (forward and backward)
+on each profile's DPO batch: stock's padded rows through transformers' SDPA, and the shared rows through each kernel.
 """
 
 from __future__ import annotations
@@ -420,8 +425,9 @@ class Deadline:
 
 
 class HostClock:
-    """Host time of the layout (the data collator, on the host) and of the mask (`build_attention_mask`, wherever
-    the trainers call it) while `on`, and the mask's GPU time (CUDA events)."""
+    """Host time of the layout (the data collator, on the host) and of the attention inputs (each backend's `inputs`:
+    the mask, or the varlen kernel's segments, wherever the trainers build them) while `on`, and their GPU time (CUDA
+    events)."""
 
     def __init__(self, cuda):
         self.cuda, self.on = cuda, False
@@ -467,12 +473,19 @@ class HostClock:
 
     @contextlib.contextmanager
     def patched(self):
-        """Wrap the package's mask builder and group layout (GRPO) in every module that imported them by name."""
+        """Wrap every attention backend's `inputs` (the mask or segments of a layout) and the package's group layout
+        (GRPO) in every module that imported it by name."""
         # the package imports its trainers lazily: load them, so that every module that holds these names has them
         from trl_prefix_sharing import DPOTrainer, GRPOTrainer, OnlineDPOTrainer, RewardTrainer  # noqa: F401
+        from trl_prefix_sharing.attention import BACKENDS
 
-        targets = {"build_attention_mask": "mask", "shared_group_layout": "layout"}
+        targets = {"shared_group_layout": "layout"}
         saved, found = [], set()
+        for backend in BACKENDS.values():  # each concrete class, so that a `super().inputs` is not counted twice
+            cls = type(backend)
+            saved.append((cls, "inputs", cls.__dict__.get("inputs")))
+            cls.inputs = self.wrap(cls.inputs, "mask")
+            found.add("AttentionBackend.inputs")
         for name, module in list(sys.modules.items()):
             if module is None or not (name == "trl_prefix_sharing" or name.startswith("trl_prefix_sharing.")):
                 continue
@@ -486,8 +499,11 @@ class HostClock:
         try:
             yield self
         finally:
-            for module, attribute, function in saved:
-                setattr(module, attribute, function)
+            for owner, attribute, function in reversed(saved):
+                if function is None:  # an inherited method: the class had none of its own
+                    delattr(owner, attribute)
+                else:
+                    setattr(owner, attribute, function)
 
 
 class TimedCollator:
@@ -647,9 +663,12 @@ def profile_epoch(trainer, cuda, steps, top=8) -> dict:
         chosen = sorted(events, key=key, reverse=True)[:top]
         return [[event.key[:80], round(key(event) / 1000 / steps, 3)] for event in chosen if key(event) > 0]
 
+    attention = [e for e in events if re.search(r"scaled_dot_product|flash|flex_attention|varlen", e.key)]
     return {
         "wall_ms_per_step": round(1000 * wall / steps, 2),
         "gpu_busy_ms_per_step": round(sum(device_us(e) for e in events) / 1000 / steps, 2) if cuda else None,
+        # which attention operators ran (SDPA's cuDNN, efficient or flash kernel; FlexAttention; varlen)
+        "attention_ops_ms_per_step": {e.key[:80]: round(device_us(e) / 1000 / steps, 3) for e in attention},
         "cpu_ops_ms_per_step": round(sum(e.self_cpu_time_total for e in events) / 1000 / steps, 2),
         "top_gpu_ops_ms_per_step": ranked(device_us) if cuda else [],
         "top_cpu_ops_ms_per_step": ranked(lambda e: e.self_cpu_time_total),
@@ -662,6 +681,106 @@ def epoch(trainer, cuda):
     trainer.train()
     trainer.optimizer = trainer.lr_scheduler = None
     gc.collect()
+
+
+def kernel_variants(cuda: bool, skip_sdpa: bool) -> list[str]:
+    """The sharing variants with a fixed kernel, beside `"sharing"` (`"auto"`: varlen in bf16 on CUDA):
+    FlexAttention on CUDA (the varlen reference in a dry run, FlexAttention having no backward on the CPU), and SDPA's
+    dense mask unless `skip_sdpa`."""
+    return ["sharing-flex" if cuda else "sharing-varlen"] + ([] if skip_sdpa else ["sharing-sdpa"])
+
+
+#: the kernels the attention microbenchmark times on the shared rows (FlexAttention on CUDA only: no CPU backward)
+ATTENTION_KERNELS = ("varlen", "flex_attention", "sdpa")
+
+
+def bench_attention(name, profile, tokenizer, settings, dry_run, repeats=20) -> dict:
+    """One attention layer of model `name`'s shape, forward and backward, on one DPO micro-batch of `profile`
+    (`settings.batch_size` pairs, TRL's collator): stock's padded rows through transformers' SDPA with their causal
+    and padding mask, and the shared rows of each kernel through it (varlen: one unpadded row of segments over
+    gathered paths; FlexAttention: rows rounded to 128, compiled; SDPA: the dense mask). Per call: GPU ms (CUDA
+    events) and host ms (the time to issue the forward and backward), medians over `repeats` after a warm-up."""
+    import torch
+    from benchmark import synthetic_dataset
+    from transformers.integrations.flex_attention import flex_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    from trl_prefix_sharing.attention import BACKENDS
+    from trl_prefix_sharing.collator import PrefixSharingCollator
+    from trl_prefix_sharing.testing import make_config
+    from trl_prefix_sharing.varlen import varlen_attention_forward
+
+    cuda = not dry_run
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    spec = dict((DRY_MODELS if dry_run else MODELS)[name])
+    config = make_config(spec.pop("family"), spec.pop("vocab_size", None) or len(tokenizer), **spec)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = config.hidden_size // heads
+    dataset = synthetic_dataset(profile, settings.batch_size, settings.length_scale, seed=0)
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    examples = [
+        {"prompt_ids": ids(r["prompt"]), "chosen_ids": ids(r["chosen"]), "rejected_ids": ids(r["rejected"])}
+        for r in dataset
+    ]
+    base = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)
+    stock = base(examples)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups, module.layer_idx = True, heads // kv_heads, 0
+    scale = head_dim**-0.5
+
+    def timed(call, rows, width):
+        generator = torch.Generator(device=device).manual_seed(0)
+        shapes = ((rows, heads, width, head_dim), (rows, kv_heads, width, head_dim), (rows, kv_heads, width, head_dim))
+        leaves = [torch.randn(*shape, device=device, dtype=dtype, generator=generator) for shape in shapes]
+        leaves = [leaf.requires_grad_() for leaf in leaves]
+        grad = torch.randn(rows, width, heads, head_dim, device=device, dtype=dtype, generator=generator)
+        gpu, host = [], []
+        for repeat in range(repeats + 3):  # 3 warm-up calls (compilation)
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else None
+            if events:
+                events[0].record()
+            start = time.perf_counter()
+            out, _ = call(*leaves)
+            out.backward(grad)
+            issued = time.perf_counter() - start
+            if events:
+                events[1].record()
+                torch.cuda.synchronize()
+            if repeat >= 3:
+                host.append(1000 * issued)
+                gpu.append(events[0].elapsed_time(events[1]) if events else None)
+        return {
+            "rows": rows,
+            "width": width,
+            "gpu_ms": statistics.median(gpu) if cuda else None,
+            "host_ms": statistics.median(host),
+        }
+
+    mask = stock["attention_mask"].bool().to(device)
+    rows, width = mask.shape
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    stock_mask = causal[None, None] & mask[:, None, None, :]
+    calls = {
+        "stock": timed(lambda q, k, v: sdpa_attention_forward(module, q, k, v, stock_mask, scaling=scale), rows, width)
+    }
+    for kernel in ATTENTION_KERNELS:
+        if kernel == "flex_attention" and not cuda:
+            continue
+        backend = BACKENDS[kernel]
+        collator = PrefixSharingCollator(base, tokenizer.pad_token_id, rows=backend.rows(None), join="prompts")
+        layout = collator(examples)["prefix_sharing"].to(device)
+        inputs = backend.inputs(layout, config).model_kwargs()
+        n, s = layout.input_ids.shape
+        if kernel == "varlen":
+            function = varlen_attention_forward
+        else:
+            function = flex_attention_forward if kernel == "flex_attention" else sdpa_attention_forward
+        calls[kernel] = timed(lambda q, k, v, f=function, i=inputs: f(module, q, k, v, scaling=scale, **i), n, s)
+    return {"pairs": len(examples), "head_dim": head_dim, "heads": [heads, kv_heads], "calls": calls}
 
 
 def bench_grpo(profile, model, tokenizer, settings, clock, tmp, g=8) -> dict:
@@ -794,10 +913,10 @@ class Budget:
 
 def run_bench_part(args, env, command, deadline, models) -> dict:
     import torch
-    from benchmark import PROFILES, SDPA_VARIANT, VARIANTS, quiet_setup, synthetic_dataset
+    from benchmark import PROFILES, VARIANTS, quiet_setup, synthetic_dataset
 
     cuda = not args.dry_run
-    variants = VARIANTS + ([] if args.skip_sdpa else [SDPA_VARIANT])
+    variants = VARIANTS + kernel_variants(cuda, args.skip_sdpa)
     _, tokenizer = quiet_setup(cuda)
     if cuda:  # many trainers in one process share the compiled FlexAttention; a user's run has one trainer
         config = torch._dynamo.config
@@ -817,6 +936,7 @@ def run_bench_part(args, env, command, deadline, models) -> dict:
         "results": {},
         "summary": {},
         "grpo": {},
+        "attention": {},
         "not_run": [],
         "errors": [],
         "environment": env,
@@ -838,6 +958,13 @@ def run_bench_part(args, env, command, deadline, models) -> dict:
             )
         data["results"].setdefault(name, {}).setdefault(kind, {})[profile] = by_variant
         write_bench(data, args.out)  # after every profile: a run cut short keeps what it measured
+
+    def attention_profile(name, profile, settings):
+        data["attention"].setdefault(name, {})[profile] = result = bench_attention(
+            name, profile, tokenizer, settings, args.dry_run
+        )
+        log(f"bench {name} attention {profile}: " + json.dumps(result["calls"]))
+        write_bench(data, args.out)
 
     def grpo_profile(name, model, profile, settings):
         result = data["grpo"].setdefault(name, {})[profile] = bench_grpo(
@@ -875,6 +1002,9 @@ def run_bench_part(args, env, command, deadline, models) -> dict:
                 "dtype": "bfloat16" if cuda else "float32",
                 "gradient_checkpointing": True,
             }
+            if name == GRPO_MODEL:  # the attention microbenchmark first: seconds per profile
+                for profile in profiles:
+                    budget.run(f"{name} attention {profile}", attention_profile, name, profile, settings)
             if name == GRPO_MODEL and "grpo" in kinds:  # first: short, and a single GRPO figure is worth more
                 model, data["models"][name] = build_model(name, "grpo", tokenizer, args.dry_run, device)
                 for profile in GRPO_PROFILES:
@@ -895,7 +1025,7 @@ def summarise(data) -> dict:
     """Per model, kind and profile: the ideal, each variant's speedup over stock, the paper's speedups over its
     FlexAttention baseline (sharing, with packing: the targets), and whether peak memory is below stock's."""
     from benchmark import PAPER as targets
-    from benchmark import PROFILES, SDPA_VARIANT
+    from benchmark import PROFILES
 
     summary = {}
     for name, kinds in data["results"].items():
@@ -912,14 +1042,20 @@ def summarise(data) -> dict:
                     "paper": list(targets[profile]),
                     "target_met": speed["sharing"] >= targets[profile][0]
                     and speed["sharing+packing"] >= targets[profile][1],
-                    "faster_sharing_kernel": None
-                    if SDPA_VARIANT not in v
-                    else ("sdpa" if v[SDPA_VARIANT]["pairs_per_s"] > v["sharing"]["pairs_per_s"] else "flex"),
+                    "fastest_sharing_kernel": _fastest_sharing_kernel(v),
                     "memory_below_stock": None
                     if memory["stock"] is None
                     else all(memory[variant] < memory["stock"] for variant in ("sharing", "sharing+packing")),
                 }
     return summary
+
+
+def _fastest_sharing_kernel(by_variant: dict) -> str | None:
+    """The kernel the fastest of the sharing variants ran (`"sharing"` runs what `"auto"` took), without packing."""
+    sharing = [x for x in by_variant if x == "sharing" or x.startswith("sharing-")]
+    if not sharing:
+        return None
+    return by_variant[max(sharing, key=lambda x: by_variant[x]["pairs_per_s"])].get("attn_implementation")
 
 
 def write_bench(data, out):
@@ -964,7 +1100,8 @@ def render_md(data) -> str:
         "their FlexAttention baseline (sharing / sharing + packing), the targets. Peak memory = "
         "`torch.cuda.max_memory_allocated` over the timed epochs (weights, optimizer state, activations). "
         "Step = GPU step time (median epoch / steps); layout = host time of the data collator per step; "
-        "mask = host and GPU time of building the attention mask per step.",
+        "mask = host and GPU time of building the attention inputs per step (the mask, or the varlen kernel's "
+        'segments). Sharing = `"auto"`, with the kernel it took; the other kernels\' sharing variants beside it.',
         "",
         "![speedups](gpu_speedup.svg)",
         "",
@@ -974,11 +1111,11 @@ def render_md(data) -> str:
             lines += [
                 f"## {name}: {kind.upper()}",
                 "",
-                "| profile | p/c | ideal | sharing | packing | sharing+packing | paper | target | peak memory "
-                "GB (stock / sharing / packing / both) | below stock | step ms (stock / sharing / packing / "
-                "both) | layout host ms per step (same) | mask host / GPU ms per step (sharing; both) | "
+                "| profile | p/c | ideal | sharing (kernel) | other kernels | packing | sharing+packing | paper | "
+                "target | peak memory GB (stock / sharing / packing / both) | below stock | step ms (stock / sharing "
+                "/ packing / both) | layout host ms per step (same) | mask host / GPU ms per step (sharing; both) | "
                 "compiled variants (mask, flex) | eager flex |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             ]
             for profile, v in profiles.items():
                 s = data["summary"][name][kind][profile]
@@ -992,17 +1129,20 @@ def render_md(data) -> str:
                     for x in ("sharing", "sharing+packing")
                 )
                 compiled = v["sharing+packing"]["compiled_variants"]
+                others = "; ".join(f"{x.split('-', 1)[1]} {sp[x]:.2f}x" for x in v if x.startswith("sharing-"))
                 lines.append(
-                    f"| {profile} | {s['p_over_c']:.2f} | {s['ideal']:.2f}x | {sp['sharing']:.2f}x | "
+                    f"| {profile} | {s['p_over_c']:.2f} | {s['ideal']:.2f}x | {sp['sharing']:.2f}x "
+                    f"({v['sharing'].get('attn_implementation')}) | {others or '-'} | "
                     f"{sp['packing']:.2f}x | {sp['sharing+packing']:.2f}x | "
                     f"{s['paper'][0]:.2f}x / {s['paper'][1]:.2f}x | {'met' if s['target_met'] else '**missed**'} | "
                     f"{each('peak_memory_gb', '.2f')} | "
                     f"{'-' if s['memory_below_stock'] is None else ('yes' if s['memory_below_stock'] else '**no**')} "
                     f"| {each('step_ms', '.1f')} | {each('layout_host_ms_per_step', '.2f')} | {masks} | "
                     f"{compiled['create_block_mask']}, {compiled['flex_attention']} | "
-                    f"{sum(v[x]['eager_flex_warnings'] for x in VARIANTS)} |"
+                    f"{sum(v[x]['eager_flex_warnings'] for x in v)} |"
                 )
             lines.append("")
+    lines += render_attention_md(data)
     for name, profiles in data["grpo"].items():
         lines += [
             f"## {name}: GRPO (G = 8, 2 prompts x G per micro-batch, 2 micro-batches per step)",
@@ -1030,42 +1170,61 @@ def render_md(data) -> str:
 
 
 def render_step_md(data) -> list[str]:
-    """Where a step goes, per profile: the step time beside the GPU's busy time (a profiled epoch), for stock,
-    sharing with FlexAttention and sharing with SDPA's dense mask; and which sharing kernel was faster."""
-    from benchmark import SDPA_VARIANT
-
-    shown = ("stock", "sharing", SDPA_VARIANT)
+    """Where a step goes, per profile and variant without packing: the step time beside the GPU's busy time (a
+    profiled epoch), and the attention operators it ran (which of SDPA's kernels: cuDNN, efficient, flash)."""
     lines = []
     for name, kinds in data["results"].items():
         rows = []
         for kind, profiles in kinds.items():
             for profile, v in profiles.items():
-                if not any((v.get(x) or {}).get("profile") for x in shown):
-                    continue
                 speed = data["summary"][name][kind][profile]["speedup"]
-
-                def cell(x, v=v):
-                    prof = (v.get(x) or {}).get("profile")
-                    return "-" if not prof else f"{v[x]['step_ms']:.1f} / {_fmt(prof['gpu_busy_ms_per_step'], '.1f')}"
-
-                rows.append(
-                    f"| {kind} | {profile} | {speed['sharing']:.2f}x | {_fmt(speed.get(SDPA_VARIANT), '.2f')}"
-                    f"{'x' if SDPA_VARIANT in speed else ''} | " + " | ".join(cell(x) for x in shown) + " |"
-                )
+                for x in (x for x in v if x == "stock" or x.startswith("sharing") and "packing" not in x):
+                    prof = v[x].get("profile")
+                    if not prof:
+                        continue
+                    ops = ", ".join(op.removeprefix("aten::") for op in prof.get("attention_ops_ms_per_step", {}))
+                    rows.append(
+                        f"| {kind} | {profile} | {x} | {v[x].get('attn_implementation')} | {speed[x]:.2f}x | "
+                        f"{v[x]['step_ms']:.1f} / {_fmt(prof['gpu_busy_ms_per_step'], '.1f')} | {ops or '-'} |"
+                    )
         if rows:
             lines += [
                 f"## {name}: where the step goes",
                 "",
                 "Step = wall time per step (timed epochs); GPU busy = the kernels' time per step in one more, "
                 "profiled epoch (`gpu.json` lists the top operators). A step much longer than its GPU time waits on "
-                "the host.",
+                "the host. Attention operators: those of the profiled epoch (SDPA names its kernel: cuDNN, "
+                "efficient or flash).",
                 "",
-                "| kind | profile | sharing, FlexAttention | sharing, SDPA | stock: step / GPU busy ms | sharing, "
-                "FlexAttention: step / GPU busy ms | sharing, SDPA: step / GPU busy ms |",
+                "| kind | profile | variant | kernel | speedup | step / GPU busy ms | attention operators |",
                 "|---|---|---|---|---|---|---|",
                 *rows,
                 "",
             ]
+    return lines
+
+
+def render_attention_md(data) -> list[str]:
+    """The attention microbenchmark: per model and profile, one layer's forward and backward per kernel."""
+    lines = []
+    for name, profiles in data.get("attention", {}).items():
+        lines += [
+            f"## {name}: one attention layer per kernel",
+            "",
+            "One DPO micro-batch per profile through one attention layer of the model's shape, forward and backward: "
+            "stock's padded rows (SDPA, causal and padding mask) and the shared rows of each kernel. GPU ms = CUDA "
+            "events around the call; host ms = the time to issue it (medians).",
+            "",
+            "| profile | kernel | rows x width | GPU ms per call | host ms per call |",
+            "|---|---|---|---|---|",
+        ]
+        for profile, result in profiles.items():
+            for kernel, call in result["calls"].items():
+                lines.append(
+                    f"| {profile} | {kernel} | {call['rows']} x {call['width']} | {_fmt(call['gpu_ms'], '.3f')} | "
+                    f"{call['host_ms']:.3f} |"
+                )
+        lines.append("")
     return lines
 
 
@@ -1161,6 +1320,8 @@ def merge(directories, out, command) -> None:
                         merged["results"].setdefault(name, {}).setdefault(kind, {}).update(profiles)
                 for name, profiles in part["grpo"].items():
                     merged["grpo"].setdefault(name, {}).update(profiles)
+                for name, profiles in part.get("attention", {}).items():
+                    merged.setdefault("attention", {}).setdefault(name, {}).update(profiles)
         path = os.path.join(directory, "gpu_tests.json")
         if os.path.exists(path):
             with open(path) as f:

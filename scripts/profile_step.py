@@ -72,19 +72,21 @@ class Clock:
 
 @contextlib.contextmanager
 def instrumented(clock: Clock):
-    """Time attention (every registered implementation), the fused log-prob head and the mask builder."""
+    """Time attention (every registered implementation), the fused log-prob head and the attention inputs (the
+    session's `with_attention`: a mask, or the varlen kernel's segments)."""
     import trl.trainer.utils as trl_utils
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    import trl_prefix_sharing.session as sharing_module
+    from trl_prefix_sharing.session import PrefixSharingSession
+    from trl_prefix_sharing.varlen import VARLEN_ATTENTION
 
     saved_attention = {
         name: ALL_ATTENTION_FUNCTIONS[name]
-        for name in ("sdpa", "flex_attention", "eager")
+        for name in ("sdpa", "flex_attention", "eager", VARLEN_ATTENTION)
         if name in ALL_ATTENTION_FUNCTIONS
     }
     head = trl_utils._ChunkedLogProbFunction
-    mask_builder = sharing_module.build_attention_mask
+    mask_builder = PrefixSharingSession.with_attention
 
     class TimedHead:
         @staticmethod
@@ -96,13 +98,13 @@ def instrumented(clock: Clock):
         for name, fn in saved_attention.items():
             ALL_ATTENTION_FUNCTIONS[name] = clock.wrap("  attention", fn)
         trl_utils._ChunkedLogProbFunction = TimedHead
-        sharing_module.build_attention_mask = clock.wrap("mask", mask_builder)
+        PrefixSharingSession.with_attention = clock.wrap("mask", mask_builder)
         yield
     finally:
         for name, fn in saved_attention.items():
             ALL_ATTENTION_FUNCTIONS[name] = fn
         trl_utils._ChunkedLogProbFunction = head
-        sharing_module.build_attention_mask = mask_builder
+        PrefixSharingSession.with_attention = mask_builder
 
 
 def profile_trainer(trainer, clock: Clock, steps: list[list[dict]]):

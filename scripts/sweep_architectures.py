@@ -9,6 +9,13 @@ tests/equivalence.py's awkward data. Outcomes: ``equal``, ``differs`` (loss, log
     PYTHONPATH=$PWD python scripts/sweep_architectures.py --write            # everything (~10 min on 2 cores)
     PYTHONPATH=$PWD python scripts/sweep_architectures.py gemma2 phi3 --write # re-measure some, keep the rest
 
+    PYTHONPATH=$PWD python scripts/sweep_architectures.py --varlen --write   # the varlen kernel (~15 min on 2 cores)
+
+``--varlen`` measures the supported families again with `prefix_sharing_attn_implementation="varlen"` (on the CPU
+its reference implementation: the same stream, gather and segments as the CUDA kernel), their default and sliding
+window variants, and records the variants equal there as each entry's ``varlen`` (what the varlen backend reads: a
+type not measured equal on it runs on another kernel); the rest of the registry is kept.
+
 ``--write`` updates trl_prefix_sharing/data/architectures.json (what `check_supported_model` reads) and the generated
 section of docs/architectures.md; ``--docs-only`` measures nothing, re-applies the reasons of `REFUSED` to the
 registry and regenerates that section. ``--timeout S`` bounds each variant (default 600 s); a tiny config over 200M
@@ -60,8 +67,9 @@ def _run(stock_fn, shared_fn, compare_fn) -> str:
     return "equal"
 
 
-def measure(family: str, tokenizer, dataset, timeout_s: int = TIMEOUT_S) -> dict:
-    """{variant: {"dpo": outcome, "reward": outcome or None}} for one model type; `timeout_s` per variant."""
+def measure(family: str, tokenizer, dataset, timeout_s: int = TIMEOUT_S, ours=None, only=None) -> dict:
+    """{variant: {"dpo": outcome, "reward": outcome or None}} for one model type; `timeout_s` per variant. `ours`: our
+    config's fields (default prefix sharing on, the default kernel); `only`: the variants to measure (default all)."""
     import equivalence as eq
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
@@ -82,11 +90,13 @@ def measure(family: str, tokenizer, dataset, timeout_s: int = TIMEOUT_S) -> dict
     tmp = pathlib.Path(tempfile.mkdtemp())
     results = {}
     for name in variants:
+        if only is not None and name not in only:
+            continue
         overrides = eq.family_config_kwargs(family, name)
         result = {}
         signal.alarm(timeout_s)
         try:
-            stock, shared = eq.make_trainers(tmp, family, dataset, tokenizer, config_kwargs=overrides)
+            stock, shared = eq.make_trainers(tmp, family, dataset, tokenizer, config_kwargs=overrides, ours=ours)
             examples = list(stock.train_dataset)
             result["dpo"] = _run(  # each function runs inside this iteration: no late binding
                 lambda: eq.step(stock, examples),  # noqa: B023
@@ -94,7 +104,9 @@ def measure(family: str, tokenizer, dataset, timeout_s: int = TIMEOUT_S) -> dict
                 lambda a, b: eq.assert_same_step(a, b),
             )
             if has_head and name != "router_aux_loss":  # the reward trainer has no auxiliary loss
-                stock, shared = eq.make_reward_trainers(tmp, family, dataset, tokenizer, config_kwargs=overrides)
+                stock, shared = eq.make_reward_trainers(
+                    tmp, family, dataset, tokenizer, config_kwargs=overrides, ours=ours
+                )
                 examples = list(stock.train_dataset)
                 result["reward"] = _run(
                     lambda: eq.reward_step(stock, examples),  # noqa: B023
@@ -193,6 +205,18 @@ def _causal_lm_class(config):
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
+def _varlen_note(entry: dict) -> str:
+    """The varlen kernel in the table's attention column: measured equal on every variant, or without a window."""
+    measured = set(entry.get("varlen", ()))
+    if "default" not in measured:
+        return ""
+    return (
+        ", varlen"
+        if "sliding_window" in measured or "sliding_window" not in entry["variants"]
+        else (", varlen (no window)")
+    )
+
+
 def docs_table(registry: dict) -> str:
     """The generated section of docs/architectures.md: the supported model types with their measured options, then
     the refused ones grouped by reason."""
@@ -216,7 +240,7 @@ def docs_table(registry: dict) -> str:
     ]
     for family, entry in sorted(registry["supported"].items()):
         config = make_config(family, 8)
-        attention = entry.get("attention", "")
+        attention = entry.get("attention", "") + _varlen_note(entry)
         lines.append(
             f"| `{family}` | {option(entry, config, 'sliding_window')} | "
             f"{option(entry, config, 'router_aux_loss')} | {'yes' if entry['reward'] else 'none in transformers'} "
@@ -250,6 +274,11 @@ def main() -> None:
         help="measure the families `REFUSED` names too (default: record their reason only)",
     )
     parser.add_argument(
+        "--varlen",
+        action="store_true",
+        help="measure the supported families (or those given) on the varlen kernel; record the variants equal there",
+    )
+    parser.add_argument(
         "--docs-only",
         action="store_true",
         help="measure nothing: re-apply the reasons of `REFUSED` and regenerate the table of docs/architectures.md",
@@ -276,6 +305,9 @@ def main() -> None:
         raise _Timeout()
 
     signal.signal(signal.SIGALRM, alarm)
+    if args.varlen:
+        _measure_varlen(args, registry, tokenizer, dataset)
+        return
     for family in families:
         start = time.time()
         if family in REFUSED and not args.measure_refused:
@@ -283,6 +315,9 @@ def main() -> None:
         else:
             results = measure(family, tokenizer, dataset, args.timeout)
         status, entry = summarise(family, results, tokenizer)
+        previous = registry["supported"].get(family, {})
+        if status == "supported":  # the varlen measurement is its own pass (`--varlen`): kept
+            entry.update({key: previous[key] for key in ("varlen", "varlen_failed") if key in previous})
         for table in ("supported", "refused"):
             registry[table].pop(family, None)
         registry[status][family] = entry
@@ -299,6 +334,32 @@ def main() -> None:
             ),
             flush=True,
         )
+    if args.write:
+        _write_docs(_write_registry(registry, args.registry))
+
+
+def _measure_varlen(args, registry: dict, tokenizer, dataset) -> None:
+    """`--varlen`: each supported family's default and sliding-window variants on the varlen kernel; the variants equal
+    there become the entry's `varlen`, the others its `varlen_failed`."""
+    import trl_prefix_sharing.attention as attention_module
+
+    attention_module.varlen_unmeasured = lambda config: None  # measure every supported family, not only the listed
+    ours = {"prefix_sharing": True, "prefix_sharing_attn_implementation": "varlen"}
+    for family in args.families or list(registry["supported"]):
+        entry = registry["supported"].get(family)
+        if entry is None:
+            print(json.dumps({"family": family, "status": "not supported: not measured on varlen"}), flush=True)
+            continue
+        start = time.time()
+        measured = [name for name in ("default", "sliding_window") if name in entry["variants"]]
+        results = measure(family, tokenizer, dataset, args.timeout, ours=ours, only=measured)
+        rewards = (None, "equal") if entry["reward"] else (None, "equal", *[r.get("reward") for r in results.values()])
+        equal = [n for n, r in results.items() if r.get("dpo") == "equal" and r.get("reward") in rewards]
+        entry["varlen"] = equal  # (a reward step the registry does not list for the type does not count)
+        entry["varlen_failed"] = {name: r for name, r in results.items() if name not in equal}
+        if args.write:
+            _write_registry(registry, args.registry)
+        print(json.dumps({"family": family, "varlen": equal, "seconds": round(time.time() - start, 1)}), flush=True)
     if args.write:
         _write_docs(_write_registry(registry, args.registry))
 

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
-from trl_prefix_sharing.attention import build_attention_mask  # noqa: E402
+from trl_prefix_sharing.attention import BACKENDS  # noqa: E402
 from trl_prefix_sharing.collator import PrefixSharingCollator  # noqa: E402
 from trl_prefix_sharing.forward import install_prefix_sharing_forward  # noqa: E402
 from trl_prefix_sharing.testing import make_config, make_tokenizer  # noqa: E402
@@ -62,7 +62,7 @@ def outputs(model, kind, batch, shared):
     kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     if shared:
         layout = batch["prefix_sharing"]
-        layout = dataclasses.replace(layout, attention_mask=build_attention_mask(layout, "sdpa", model.config))
+        layout = dataclasses.replace(layout, attention=BACKENDS["sdpa"].inputs(layout, model.config))
         kwargs["prefix_sharing"] = layout
     if kind == "dpo":
         labels = batch["input_ids"].masked_fill(~batch["completion_mask"].bool(), -100)

@@ -57,7 +57,8 @@ def save_model(directory, family, tokenizer, seed=0, **config_kwargs) -> str:
     return path
 
 
-def group_args(config_cls, tmp_path, ours: bool, **overrides):
+def group_args(config_cls, tmp_path, ours: bool | dict, **overrides):
+    """The group trainers' test config; `ours`: prefix sharing on (True, or a dict of our config's own fields)."""
     kwargs = dict(
         output_dir=str(tmp_path / f"run{next(_counter)}"),
         per_device_train_batch_size=8,
@@ -68,7 +69,8 @@ def group_args(config_cls, tmp_path, ours: bool, **overrides):
         learning_rate=1e-3,
     )
     kwargs.update(overrides)
-    return config_cls(**kwargs, **({"prefix_sharing": True} if ours else {}))
+    ours = {"prefix_sharing": True, **(ours if isinstance(ours, dict) else {})} if ours else {}
+    return config_cls(**kwargs, **ours)
 
 
 def make_group_trainer(kind, ours, model, dataset, tokenizer, tmp_path, peft_config=None, **overrides):

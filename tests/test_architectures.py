@@ -316,7 +316,7 @@ def test_flex_attention_forward_matches_stock(tmp_path, tokenizer, family, varia
     if family not in SUPPORTED or variant not in SUPPORTED[family]["variants"]:
         pytest.skip(f"{family} {variant} is not in the registry")
     stock, shared = _dpo(tmp_path, tokenizer, family, variant)
-    shared.sharing.attn_implementation = "flex_attention"
+    shared.sharing.backend = attention_module.BACKENDS["flex_attention"]
     shared.model.set_attn_implementation("flex_attention")
     examples = list(stock.train_dataset)
     results = []
@@ -359,10 +359,10 @@ def test_attention_implementation_per_model_class_is_logged(supports, requested,
     from transformers.testing_utils import CaptureLogger
 
     model = type("SomeModel", (), {**supports, "config": SimpleNamespace()})()
-    assert attention_module.model_attn_implementation(model, requested) == expected
-    with CaptureLogger(attention_module.logger) as captured:  # "auto" on CUDA is FlexAttention
-        chosen = attention_module.choose_attn_implementation([model], requested, torch.device("cuda"))
-    assert chosen == expected
-    assert (f"runs on `{expected}` as" in captured.out and f"not `{requested}`" in captured.out) == (
+    assert attention_module._supported(attention_module.BACKENDS[requested], model).name == expected
+    with CaptureLogger(attention_module.logger) as captured:
+        chosen = attention_module.choose_backend([model], requested, torch.device("cuda"), torch.bfloat16)
+    assert chosen.name == expected
+    assert (f"run on `{expected}`" in captured.out and f"not {requested}: SomeModel" in captured.out) == (
         expected != requested
     )

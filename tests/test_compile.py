@@ -24,8 +24,14 @@ MAX_VARIANTS = 2
 def as_on_cuda(monkeypatch):
     """The trainer's own CUDA set-up, on CPU: FlexAttention (refused on CPU only because it has no backward there)
     and the compiled `create_block_mask` (compiled by default on CUDA only)."""
-    monkeypatch.setattr(attention, "resolve_attn_implementation", lambda requested, device: "flex_attention")
+    force_flex_attention(monkeypatch)
     monkeypatch.setattr(attention, "block_mask", functools.partial(mask.block_mask, compile=True))
+
+
+def force_flex_attention(monkeypatch):
+    """`"auto"` takes FlexAttention on this device, which then counts as one it can train on."""
+    monkeypatch.setattr(attention, "_auto_candidates", lambda device: ("flex_attention",))
+    monkeypatch.setattr(attention.FlexBackend, "unavailable", lambda self, *args, **kwargs: None)
 
 
 def forward(trainer, examples, mode):
@@ -61,7 +67,7 @@ def test_flex_attention_compiles_a_bounded_number_of_times_and_equals_stock(tmp_
             stock_loss, stock_metrics, _ = forward(stock, [stock_data[i] for i in indices], mode)
             loss, metrics, batch = forward(shared, [shared_data[i] for i in indices], mode)
             layout = batch["prefix_sharing"]
-            assert type(layout.attention_mask).__name__ == "BlockMask"
+            assert type(layout.attention.mask).__name__ == "BlockMask"
             widths.add(int((layout.document_ids >= 0).sum(1).max()))
             rows.add(layout.input_ids.shape[0])
             torch.testing.assert_close(loss, stock_loss, atol=1e-5, rtol=1e-5)
@@ -78,10 +84,12 @@ def test_flex_attention_compiles_a_bounded_number_of_times_and_equals_stock(tmp_
 
 
 def test_shared_rows_are_rounded_to_the_flex_block_size_unless_set():
-    assert attention.shared_row_multiple("flex_attention", None) == 128
-    assert attention.shared_row_multiple("flex_attention", 1) == 1  # rounding off
-    assert attention.shared_row_multiple("flex_attention", 64) == 64
-    assert attention.shared_row_multiple("sdpa", None) is None  # dense attention: no extra padding
+    flex, sdpa, varlen = (attention.BACKENDS[name] for name in ("flex_attention", "sdpa", "varlen"))
+    assert flex.rows(None).multiple == 128
+    assert flex.rows(1).multiple == 1  # rounding off
+    assert flex.rows(64).multiple == 64
+    assert sdpa.rows(None).multiple is None  # dense attention: no extra padding
+    assert varlen.rows(64).stream and varlen.rows(64).width(100) == 100  # one row, never rounded
 
 
 def test_full_and_sliding_layers_share_one_compiled_variant(tmp_path, tokenizer, monkeypatch):
@@ -102,7 +110,7 @@ def test_full_and_sliding_layers_share_one_compiled_variant(tmp_path, tokenizer,
                 loss, _, batch = forward(shared, [shared.train_dataset[i] for i in indices], "train")
                 torch.testing.assert_close(loss, stock_loss, atol=1e-5, rtol=1e-5)
                 assert batch["prefix_sharing"].input_ids.shape == (4, 128)
-                masks = batch["prefix_sharing"].attention_mask
+                masks = batch["prefix_sharing"].attention.mask
                 assert isinstance(masks, dict) and set(masks) == {"full_attention", "sliding_attention"}
         report = watch.assert_compiled_and_bounded(1)
     print("full and sliding layers:", report)

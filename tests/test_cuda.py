@@ -1,17 +1,23 @@
-"""CUDA only (skipped elsewhere): the path CUDA users take, `prefix_sharing_attn_implementation="auto"` = compiled
-`create_block_mask` + transformers' compiled `flex_attention`, trains to stock TRL's numbers (FlexAttention has no
-backward on CPU, so this is where its gradients are checked), compiles a bounded number of times and never runs
-FlexAttention uncompiled. 65 tests; run them with `python scripts/gpu_check.py --part tests --out DIR`, which also
-collects the compile counts and the long-row peak memory they record. Commands and results:
-docs/benchmarks/gpu_tests.md.
+"""CUDA only (skipped elsewhere): the paths CUDA users take. In fp32 `prefix_sharing_attn_implementation="auto"` is
+compiled `create_block_mask` + transformers' compiled `flex_attention` (the varlen kernel computes in bf16/fp16 only);
+it trains to stock TRL's numbers (FlexAttention has no backward on CPU, so this is where its gradients are checked),
+compiles a bounded number of times and never runs FlexAttention uncompiled. In bf16 (TRL's default) `"auto"` is the
+varlen kernel, PyTorch's FlashAttention-2 varlen on each trie branch's gathered path. 87 tests; run them with
+`python scripts/gpu_check.py --part tests --out DIR`, which also collects the compile counts and the peak memory they
+record. Commands and results: docs/benchmarks/gpu_tests.md.
 
-- the matrix: the four families x {sharing, sharing + packing} x {DPO, reward, ranked reward}, fp32 (TF32 off), equal
-  to stock at the CPU tests' tolerance (1e-5), gradient checkpointing on (TRL's default, switched on as `train()`
-  does);
+- the FlexAttention matrix: the four families x {sharing, sharing + packing} x {DPO, reward, ranked reward}, fp32
+  (TF32 off), equal to stock at the CPU tests' tolerance (1e-5), gradient checkpointing on (TRL's default, switched on
+  as `train()` does);
 - the prefix trie, KTO, ORPO and CPO; sharing across examples (`prefix_sharing_join="always"`) and SFT (every join);
 - bf16 within the tolerance of the user guide's "Precision" (docs/guide.md); every trainer's policy and reference
-  passes under `bf16=True` in stock's dtype; sliding-window models; LoRA; GRPO and online DPO passes;
-- compile stability over 39 training and evaluation steps of varying lengths; peak memory of a long-row step.
+  passes under `bf16=True` in stock's dtype (on varlen, which `"auto"` takes there); sliding-window models; LoRA;
+  GRPO and online DPO passes;
+- compile stability over 39 training and evaluation steps of varying lengths; peak memory of a long-row step;
+- the varlen matrix, bf16 against stock bf16: DPO (four families x {sharing, packing}), reward (pairs, ranked), the
+  trie and joins, sliding windows (`window_size=(W-1, 0)`), LoRA, GRPO and online DPO (scored padding: a second,
+  non-causal call); the kernel against the CPU tests' reference (GQA, a window, scored padding), forward and
+  backward; the float32, deterministic gather; the peak memory of a 6,000-token prompt with 8 branches.
 
 The tiny models get a head size of 16 (`CUDA_SIZES`): CUDA FlexAttention refuses head sizes under 16 ("NYI: embedding
 dimension of the query, key, and value must be at least 16"), and the tiny models' default is 8.
@@ -101,7 +107,7 @@ def _check_flex_trainer(trainer):
 def _check_flex(trainer, batch):
     """`_check_flex_trainer`, and the batch's masks are BlockMasks."""
     _check_flex_trainer(trainer)
-    masks = batch["prefix_sharing"].attention_mask
+    masks = batch["prefix_sharing"].attention.mask
     masks = masks.values() if isinstance(masks, dict) else [masks]
     assert all(type(mask).__name__ == "BlockMask" for mask in masks)
 
@@ -342,7 +348,15 @@ def test_bf16_log_probs_within_bf16_tolerance(tmp_path, tokenizer, family):
     ref = make_model(family, len(tokenizer), seed=1, **CUDA_SIZES).to(torch.bfloat16)
     stock, shared = checkpoint_as_train_does(
         *make_trainers(
-            tmp_path, family, awkward_text_dataset(), tokenizer, model=model, ref_model=ref, bf16=True, **ON_GPU
+            tmp_path,
+            family,
+            awkward_text_dataset(),
+            tokenizer,
+            model=model,
+            ref_model=ref,
+            bf16=True,
+            ours=_ours(False, prefix_sharing_attn_implementation="flex_attention"),  # "auto" takes varlen in bf16
+            **ON_GPU,
         )
     )
     examples = list(stock.train_dataset)
@@ -355,13 +369,19 @@ def test_bf16_log_probs_within_bf16_tolerance(tmp_path, tokenizer, family):
 
 
 @pytest.mark.parametrize("kind", list(MIXED_PRECISION_TRAINERS))
-def test_bf16_autocast_passes_run_in_stocks_dtype(tmp_path, tokenizer, kind):
-    """`bf16=True` (TRL's default): DPO, reward, GRPO, RLOO, online DPO, KTO, ORPO and CPO run their policy and
-    reference passes in stock's dtype through FlexAttention, and the first step logs stock's numbers (online DPO's
-    first KL exactly 0)."""
+def test_bf16_autocast_passes_run_in_stocks_dtype(tmp_path, tokenizer, monkeypatch, kind):
+    """`bf16=True` (TRL's default): every trainer runs its policy and reference passes in stock's dtype through the
+    kernel `"auto"` takes in bf16, the varlen kernel (KTO's KL rows, ORPO and CPO, SFT, GRPO's groups, online DPO's
+    scored padding as a second, non-causal call), and the first step logs stock's numbers (online DPO's first KL
+    exactly 0)."""
+    import trl_prefix_sharing.sharing as sharing_module
+
+    chosen, choose = [], sharing_module.choose_backend
+    monkeypatch.setattr(sharing_module, "choose_backend", lambda *a, **k: chosen.append(choose(*a, **k)) or chosen[-1])
     check_passes_in_stocks_dtype(
         tmp_path, tokenizer, kind, model_kwargs=CUDA_SIZES, atol=BF16["atol"], rtol=1e-2, **ON_GPU
     )
+    assert chosen and {backend.name for backend in chosen} == {"varlen"}
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["sharing", "sharing+packing"])
@@ -391,9 +411,12 @@ def test_sliding_window_matches_stock(tmp_path, tokenizer, family, config_kwargs
     _check_flex(shared, result["batch"])
 
 
-def test_dpo_lora_matches_stock(tmp_path, tokenizer):
+@pytest.mark.parametrize("kernel", ["flex_attention", "varlen"])
+def test_dpo_lora_matches_stock(tmp_path, tokenizer, kernel):
+    """LoRA (the reference: adapters disabled): FlexAttention in fp32 at 1e-5, the varlen kernel in bf16."""
     from peft import LoraConfig
 
+    varlen = kernel == "varlen"
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
     stock, shared = checkpoint_as_train_does(
         *make_trainers(
@@ -404,7 +427,8 @@ def test_dpo_lora_matches_stock(tmp_path, tokenizer):
             ref_model=None,
             peft_config=lora,
             config_kwargs=CUDA_SIZES,
-            **ON_GPU,
+            ours=_ours(False, prefix_sharing_attn_implementation=kernel),
+            **(VARLEN_ON_GPU if varlen else ON_GPU),
         )
     )
     for trainer in (stock, shared):  # adapters away from zero: the policy differs from the reference (adapters off)
@@ -412,8 +436,14 @@ def test_dpo_lora_matches_stock(tmp_path, tokenizer):
         for name, param in trainer.model.named_parameters():
             if "lora_B" in name:
                 param.data.normal_(0, 0.05)
-    _, result = compare_step(stock, shared, **FP32)
-    _check_flex(shared, result["batch"])
+    examples = list(stock.train_dataset)
+    expected, result = step(stock, examples), step(shared, examples)
+    if varlen:
+        _check_varlen(shared, result["batch"])
+        _assert_bf16_close(expected, result)
+    else:
+        assert_same_step(expected, result, **FP32)
+        _check_flex(shared, result["batch"])
     assert result["grads"] and all("lora" in name for name in result["grads"])
 
 
@@ -576,3 +606,287 @@ def test_grpo_and_online_dpo_flex_log_probs_and_gradients_match_stock(tmp_path, 
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     for name, grad in expected_grads.items():
         torch.testing.assert_close(grads[name], grad, atol=1e-4, rtol=1e-3)
+
+
+# ------------------------------------------------------------------------------------------------- the varlen kernel
+#: the varlen kernel computes in bf16 (TRL's default `bf16=True`: autocast over float32 weights)
+VARLEN_ON_GPU = {**ON_GPU, "bf16": True}
+#: per-token log-probs under bf16 autocast, and each gradient against the largest of its tensor: the CPU reference in
+#: bf16 measured up to 1.3e-2 of the largest gradient (tests/test_mixed_precision.py); a leaky mask moves log-probs by
+#: tenths of a nat
+BF16_GRAD_SHARE = 5e-2
+
+
+def _varlen(packing=False, **extra):
+    return {**_ours(packing), "prefix_sharing_attn_implementation": "varlen", **extra}
+
+
+def _check_varlen(trainer, batch=None):
+    """The varlen backend ran: one unpadded row of query segments, checkpointing still on where it was asked."""
+    assert trainer.sharing.attn_implementation == "varlen"
+    assert trainer.model.config._attn_implementation == "prefix_sharing_varlen"
+    if batch is not None:
+        layout = batch["prefix_sharing"]
+        assert layout.input_ids.shape[0] == 1 and bool((layout.document_ids >= 0).all()) and layout.segments
+
+
+def _assert_bf16_close(expected: dict, got: dict, keys=("chosen", "rejected", "loss")):
+    """bf16 numbers of a step: `keys` within `BF16`, finite; every gradient finite and within `BF16_GRAD_SHARE` of
+    the largest of its tensor."""
+    for key in keys:
+        assert expected[key].numel() > 0 and torch.isfinite(got[key]).all(), key
+        torch.testing.assert_close(got[key].float(), expected[key].float(), **BF16)
+    assert expected["grads"] and set(got["grads"]) == set(expected["grads"])
+    for name, grad in expected["grads"].items():
+        scale = grad.float().abs().max().clamp(min=1e-6)
+        assert torch.isfinite(got["grads"][name]).all(), name
+        assert (got["grads"][name].float() - grad.float()).abs().max() <= BF16_GRAD_SHARE * scale, name
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["sharing", "sharing+packing"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_varlen_dpo_step_matches_stock_in_bf16(tmp_path, tokenizer, family, packing):
+    """`"auto"` in bf16 takes varlen: DPO's log-probs, loss and gradients are stock bf16's to bf16 round-off, with no
+    padding in the row (packing: a token budget, not a padded row)."""
+    stock, shared = checkpoint_as_train_does(
+        *make_trainers(
+            tmp_path,
+            family,
+            awkward_text_dataset(),
+            tokenizer,
+            config_kwargs=CUDA_SIZES,
+            ours={**_ours(packing)},  # "auto"
+            **VARLEN_ON_GPU,
+        )
+    )
+    examples = list(stock.train_dataset)
+    expected, got = step(stock, examples), step(shared, examples)
+    _check_varlen(shared, got["batch"])
+    _assert_bf16_close(expected, got)
+    assert positions(got["batch"]) == got["batch"]["prefix_sharing"].input_ids.numel()
+
+
+@pytest.mark.parametrize("data", ["pairs", "ranked"])
+def test_varlen_reward_step_matches_stock_in_bf16(tmp_path, tokenizer, data):
+    ranked = data == "ranked"
+    dataset = ranked_dataset() if ranked else awkward_text_dataset()
+    stock, shared = checkpoint_as_train_does(
+        *make_reward_trainers(
+            tmp_path,
+            "qwen2",
+            dataset,
+            tokenizer,
+            stock_dataset=expand_ranked_to_pairs(dataset) if ranked else None,
+            config_kwargs=CUDA_SIZES,
+            ours=_varlen(),
+            **VARLEN_ON_GPU,
+        )
+    )
+    expected, got = reward_step(stock, list(stock.train_dataset)), reward_step(shared, list(shared.train_dataset))
+    _check_varlen(shared, got["batch"])
+    assert torch.isfinite(got["loss"]) and all(torch.isfinite(g).all() for g in got["grads"].values())
+    torch.testing.assert_close(got["loss"].float(), expected["loss"].float(), **BF16)  # ranked: over its pairs
+
+
+@pytest.mark.parametrize("data", ["all_pairs", "multi_turn"])
+def test_varlen_trie_and_join_match_stock_in_bf16(tmp_path, tokenizer, data):
+    from test_trie_sharing import DATASETS
+
+    stock, shared = checkpoint_as_train_does(
+        *make_trainers(
+            tmp_path,
+            "qwen3",
+            DATASETS[data](),
+            tokenizer,
+            config_kwargs=CUDA_SIZES,
+            ours=_varlen(prefix_sharing_join="always"),
+            **VARLEN_ON_GPU,
+        )
+    )
+    examples = list(stock.train_dataset)
+    expected, got = step(stock, examples), step(shared, examples)
+    _check_varlen(shared, got["batch"])
+    _assert_bf16_close(expected, got)
+    assert positions(got["batch"]) < int(expected["batch"]["attention_mask"].sum())
+
+
+@pytest.mark.parametrize(
+    "family,config_kwargs",
+    [
+        ("mistral", {"sliding_window": 6}),  # every layer slides: `window_size=(5, 0)`
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),  # full and sliding
+    ],
+)
+def test_varlen_sliding_window_matches_stock_in_bf16(tmp_path, tokenizer, family, config_kwargs):
+    stock, shared = checkpoint_as_train_does(
+        *make_trainers(
+            tmp_path,
+            family,
+            awkward_text_dataset(),
+            tokenizer,
+            config_kwargs={**CUDA_SIZES, **config_kwargs},
+            ours=_varlen(),
+            **VARLEN_ON_GPU,
+        )
+    )
+    examples = list(stock.train_dataset)
+    expected, got = step(stock, examples), step(shared, examples)
+    _check_varlen(shared, got["batch"])
+    _assert_bf16_close(expected, got)
+
+
+def _reference_attention(query, key, value, segments, scale, window):
+    """`varlen.segment_attention` with every call through the reference implementation (SDPA per segment)."""
+    from trl_prefix_sharing import varlen
+
+    out = query.new_zeros(query.shape)
+    for call in segments:
+        rows = torch.arange(query.shape[0], device=query.device) if call.query_index is None else call.query_index
+        k, v = key.index_select(0, call.key_index), value.index_select(0, call.key_index)
+        out = out.index_copy(0, rows, varlen._reference(query[rows], k, v, call, scale, window))
+    return out
+
+
+@pytest.mark.parametrize(
+    "case", ["gqa", "gqa-window", "mha-scored-padding"], ids=["gqa", "gqa-window-3", "mha-scored-padding"]
+)
+def test_varlen_kernel_equals_the_reference_forward_and_backward(case):
+    """PyTorch's FlashAttention-2 varlen kernel on a trie's segments (bottom-right causal, GQA, `window_size=(W-1,
+    0)`, the scored padding's non-causal call) against the CPU tests' reference in float32, outputs and the
+    gradients of queries, keys and values (through the float32 gather)."""
+    import random
+
+    from test_layout import _stock
+
+    from trl_prefix_sharing import varlen
+    from trl_prefix_sharing.layout import RowPolicy, build_layout, shared_group_layout
+
+    rng = random.Random(0)
+    rows = [[rng.randrange(1, 4) for _ in range(rng.randrange(20, 90))] for _ in range(6)]
+    rows += [row[: rng.randrange(1, len(row))] + [7, 8, 9] for row in rows[:4]]
+    if case == "mha-scored-padding":
+        ids, attn, _ = _stock(rows)
+        layout = shared_group_layout(ids, attn, 2, 0, rows=RowPolicy(stream=True), score_padding=True)
+        assert len(layout.segments) == 2
+    else:
+        layout = build_layout(*_stock(rows)[:2], rows=RowPolicy(stream=True))
+    layout = layout.to("cuda")
+    window = 3 if case == "gqa-window" else None
+    heads = (4, 4) if case.startswith("mha") else (8, 2)
+    width = layout.input_ids.shape[1]
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    tensors = [torch.randn(width, h, 64, device="cuda", generator=generator) for h in (heads[0], heads[1], heads[1])]
+    weights = torch.randn(width, heads[0], 64, device="cuda", generator=generator)
+    results = []
+    for dtype, attend in ((torch.bfloat16, varlen.segment_attention), (torch.float32, _reference_attention)):
+        leaves = [t.to(dtype).requires_grad_() for t in tensors]
+        out = attend(*leaves, layout.segments, 0.125, window)
+        (out.float() * weights).sum().backward()
+        results.append([out.detach().float()] + [t.grad.float() for t in leaves])
+    for name, got, expected in zip(("out", "dq", "dk", "dv"), *results, strict=True):
+        assert torch.isfinite(got).all() and expected.abs().sum() > 0, name
+        scale = expected.abs().max()
+        assert (got - expected).abs().max() <= 2e-2 * scale, (name, float((got - expected).abs().max()), float(scale))
+
+
+def test_varlen_gather_sums_in_float32_and_is_deterministic_on_cuda():
+    """The gathered keys' gradient on CUDA: sort-based float32 accumulation, the same bits every run, where
+    `index_select`'s own backward adds the bfloat16 gradients with atomics in bfloat16."""
+    from trl_prefix_sharing import varlen
+
+    source = torch.zeros(64, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    index = torch.randint(0, 4, (1 << 16,), device="cuda")  # four prefix rows read 16k times each
+    grad = torch.rand(index.shape[0], 128, device="cuda").to(torch.bfloat16)
+    expected = torch.zeros(64, 128, dtype=torch.float64, device="cuda").index_add_(0, index, grad.double())
+    sums = []
+    for _ in range(3):
+        source.grad = None
+        varlen.gather_rows(source, index).backward(grad)
+        sums.append(source.grad.clone())
+    assert all(torch.equal(sums[0], other) for other in sums[1:])
+    ours = (sums[0].double() - expected).abs().max()
+    source.grad = None
+    source.index_select(0, index).backward(grad)
+    atomics = (source.grad.double() - expected).abs().max()
+    assert ours <= expected.abs().max() * 2**-8 < atomics, (float(ours), float(atomics))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_varlen_grpo_and_online_dpo_log_probs_in_bf16(tmp_path, tokenizer, family):
+    """GRPO's passes (left-padded prompts, groups) and online DPO's `_forward` (scored padding: the second call) on
+    the varlen kernel, bf16 models: stock bf16's log-probs to bf16 round-off, finite gradients."""
+    from group_equivalence import make_group_trainer, prompt_dataset, save_model
+    from test_grpo_equivalence import crafted_batch, logps_and_grads
+    from test_online_dpo_equivalence import forward_and_grads
+    from test_online_dpo_equivalence import make_trainers as make_online_dpo_trainers
+
+    input_ids, attention_mask, keep = crafted_batch(tokenizer)
+    input_ids, attention_mask = input_ids.cuda(), attention_mask.cuda()
+    path = save_model(tmp_path, family, tokenizer, **CUDA_SIZES)
+    init = {"model_init_kwargs": {"dtype": torch.bfloat16}}
+    stock, shared = (
+        make_group_trainer("grpo", ours, path, prompt_dataset(), tokenizer, tmp_path, use_cpu=False, **init)
+        for ours in (False, {"prefix_sharing_attn_implementation": "varlen"})
+    )
+    expected, got = (logps_and_grads(t, input_ids, attention_mask, keep) for t in (stock, shared))
+    assert shared.sharing.attn_implementation == "varlen"
+    mask = attention_mask[:, -keep:].bool()
+    assert (got[0][mask].float() - expected[0][mask].float()).abs().max() <= 0.05
+    assert all(torch.isfinite(grad).all() for grad in got[2].values()) and got[2]
+    stock, shared = make_online_dpo_trainers(
+        tmp_path / "online",
+        family,
+        tokenizer,
+        models=[make_model(family, len(tokenizer), seed=s, **CUDA_SIZES).to(torch.bfloat16) for s in (0, 1)],
+        ours={"prefix_sharing_attn_implementation": "varlen"},
+        use_cpu=False,
+    )
+    assert shared.sharing.attn_implementation == "varlen"
+    (expected, _), (got, grads) = (forward_and_grads(t, input_ids, attention_mask, keep) for t in (stock, shared))
+    assert (got.float() - expected.float()).abs().max() <= 0.05  # padding columns included
+    assert all(torch.isfinite(grad).all() for grad in grads.values()) and grads
+
+
+def test_varlen_memory_of_a_long_shared_prompt_with_8_branches(tmp_path, tokenizer, record_property):
+    """One 6,000-token prompt and 8 completions of 200 tokens (a GRPO group in one chunk), forward and backward: the
+    varlen row holds the prompt once (6,000 + 8 x 201 = 7,608 positions against stock's 8 x 6,200 = 49,600), the K/V
+    of each branch's path gathered per layer; its peak memory is recorded beside stock's and FlexAttention's, and is
+    under half of stock's."""
+    from group_equivalence import make_group_trainer, prompt_dataset, save_model
+
+    prompt_length, completion_length, branches = 6000, 200, 8
+    path = save_model(tmp_path, "qwen3", tokenizer, **CUDA_SIZES, max_position_embeddings=8192)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(10, len(tokenizer), (prompt_length,), generator=generator)
+    completions = torch.randint(10, len(tokenizer), (branches, completion_length), generator=generator)
+    input_ids = torch.cat([prompt.expand(branches, -1), completions], dim=1).cuda()
+    attention_mask = torch.ones_like(input_ids)
+
+    def pass_and_backward(trainer):
+        trainer.model.zero_grad(set_to_none=True)
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, input_ids, attention_mask, completion_length, batch_size=branches
+        )
+        logps.float().sum().backward()
+        return logps
+
+    peaks = {}
+    for name, ours in (
+        ("stock", False),
+        ("varlen", {"prefix_sharing_attn_implementation": "varlen"}),
+        ("flex_attention", {"prefix_sharing_attn_implementation": "flex_attention"}),
+    ):
+        init = {"model_init_kwargs": {"dtype": torch.bfloat16}}
+        trainer = make_group_trainer("grpo", ours, path, prompt_dataset(), tokenizer, tmp_path, use_cpu=False, **init)
+        pass_and_backward(trainer)  # compile, allocate
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        logps = pass_and_backward(trainer)
+        torch.cuda.synchronize()
+        peaks[name] = (torch.cuda.max_memory_allocated() - before) / 2**30
+        assert torch.isfinite(logps).all()
+        del trainer
+    record_property("peak_memory_gb", {f"long_prompt_8_branches_{name}": peak for name, peak in peaks.items()})
+    print("peak memory (GB) of a 6,000-token prompt with 8 branches:", peaks)
+    assert peaks["varlen"] < peaks["stock"] / 2

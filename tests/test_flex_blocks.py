@@ -11,9 +11,8 @@ import pytest
 import torch
 from datasets import Dataset
 from equivalence import assert_same_number, make_trainers
-from test_compile import forward
+from test_compile import force_flex_attention, forward
 
-from trl_prefix_sharing import attention
 from trl_prefix_sharing.mask import dense_mask, prefix_sharing_mask
 
 
@@ -53,14 +52,14 @@ def block_counts(block_mask, layout):
 def test_whole_blocks_are_skipped_and_the_forward_equals_stock(tmp_path, tokenizer, monkeypatch, packing):
     # the trainer's CUDA set-up on CPU (FlexAttention is refused there only for lack of a backward); the BlockMask
     # is built uncompiled on CPU, transformers' FlexAttention runs compiled as everywhere
-    monkeypatch.setattr(attention, "resolve_attn_implementation", lambda requested, device: "flex_attention")
+    force_flex_attention(monkeypatch)
     ours = {"prefix_sharing": True, "packing": packing, **({"packing_length": 4 * 768} if packing else {})}
     stock, shared = make_trainers(tmp_path, "llama", long_pairs(), tokenizer, ours=ours)
     examples = list(shared.train_dataset)
     stock_loss, stock_metrics, stock_batch = forward(stock, list(stock.train_dataset), "train")
     loss, metrics, batch = forward(shared, examples, "train")
     layout = batch["prefix_sharing"]
-    block_mask = layout.attention_mask
+    block_mask = layout.attention.mask
     assert type(block_mask).__name__ == "BlockMask" and block_mask.BLOCK_SIZE == (BLOCK, BLOCK)
     rows, width = layout.input_ids.shape
     assert width % BLOCK == 0 and width >= 5 * BLOCK and rows == (1 if packing else 4), (rows, width)

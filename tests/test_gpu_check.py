@@ -26,7 +26,8 @@ import gpu_check  # noqa: E402
 
 
 MODELS = ("qwen2.5-0.5b", "llama-3b")
-VARIANTS = ("stock", "sharing", "packing", "sharing+packing", "sharing-sdpa")
+#: a dry run's variants: `"sharing"` is `"auto"` (SDPA on the CPU), the varlen reference stands in for FlexAttention
+VARIANTS = ("stock", "sharing", "packing", "sharing+packing", "sharing-varlen", "sharing-sdpa")
 HOST_KEYS = {
     "step_ms",
     "layout_host_ms_per_step",
@@ -67,10 +68,10 @@ def test_dry_run_writes_the_files_a_gpu_run_keeps(dry_run):
 def test_dry_run_gpu_tests_json_has_the_schema_and_the_real_counts(dry_run):
     data = json.loads((dry_run / "gpu_tests.json").read_text())
     assert set(gpu_check.GPU_TESTS_KEYS) <= set(data)
-    assert data["collected"] == 65  # tests/test_cuda.py, collected (an import error there fails here)
-    assert data["passed"] + data["failed"] + data["skipped"] + data["not_run"] == 65
+    assert data["collected"] == 87  # tests/test_cuda.py, collected (an import error there fails here)
+    assert data["passed"] + data["failed"] + data["skipped"] + data["not_run"] == 87
     if not torch.cuda.is_available():
-        assert data["skipped"] == 65 and data["skip_reasons"] == ["Skipped: needs CUDA (FlexAttention backward)"]
+        assert data["skipped"] == 87 and data["skip_reasons"] == ["Skipped: needs CUDA (FlexAttention backward)"]
     assert isinstance(data["recompiles"], dict) and isinstance(data["peak_memory_gb"], dict)
     assert data["command"].startswith("python scripts/gpu_check.py") and "--dry-run" in data["command"]
     assert data["torch"] == torch.__version__ and data["environment"]["dry_run"] is True
@@ -84,7 +85,7 @@ def test_dry_run_gpu_json_has_cpu_json_schema_plus_versions_and_host_times(dry_r
     assert set(cpu) | {"torch", "cuda", "transformers", "trl", "triton"} <= set(data)
     cpu_variant_keys = set(cpu["results"]["dpo"]["Capybara"]["stock"])
     # both trainer hooks found: a rename in the package would silently drop the mask and GRPO layout times
-    assert data["timed_functions"] == ["build_attention_mask", "shared_group_layout"]
+    assert data["timed_functions"] == ["AttentionBackend.inputs", "shared_group_layout"]
     assert set(data["results"]) == set(MODELS) and not data["not_run"]
     for model in MODELS:
         for kind in ("dpo", "reward"):
@@ -99,10 +100,14 @@ def test_dry_run_gpu_json_has_cpu_json_schema_plus_versions_and_host_times(dry_r
                 profile = result["profile"]  # the profiled epoch: per-step CPU time and its top operators
                 assert profile["wall_ms_per_step"] > 0 and profile["cpu_ops_ms_per_step"] > 0
                 assert profile["top_cpu_ops_ms_per_step"] and profile["gpu_busy_ms_per_step"] is None  # no GPU
-            assert by_variant["sharing-sdpa"]["attn_implementation"] == "sdpa"
+            kernels = {variant: result["attn_implementation"] for variant, result in by_variant.items()}
+            assert kernels["sharing-sdpa"] == kernels["sharing"] == "sdpa" and kernels["sharing-varlen"] == "varlen"
             summary = data["summary"][model][kind]["HH-RLHF"]
             assert summary["paper"] == [1.19, 1.48] and summary["ideal"] > 1
-            assert summary["faster_sharing_kernel"] in ("sdpa", "flex")
+            assert summary["fastest_sharing_kernel"] in ("sdpa", "varlen")
+    calls = data["attention"]["qwen2.5-0.5b"]["HH-RLHF"]["calls"]  # the attention microbenchmark
+    assert set(calls) == {"stock", "varlen", "sdpa"} and all(call["host_ms"] > 0 for call in calls.values())
+    assert calls["varlen"]["rows"] == 1 and calls["varlen"]["width"] < calls["stock"]["rows"] * calls["stock"]["width"]
     grpo = data["grpo"]["qwen2.5-0.5b"]
     assert set(grpo) == set(gpu_check.GRPO_PROFILES)
     for result in grpo.values():
@@ -116,6 +121,7 @@ def test_dry_run_gpu_json_has_cpu_json_schema_plus_versions_and_host_times(dry_r
         "## llama-3b: REWARD",
         "## qwen2.5-0.5b: GRPO",
         "## qwen2.5-0.5b: where the step goes",
+        "## qwen2.5-0.5b: one attention layer per kernel",
     ):
         assert title in markdown
 

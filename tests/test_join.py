@@ -138,11 +138,11 @@ def test_the_cost_estimate_and_the_model_it_is_read_from(tokenizer):
     total = sum(p.numel() for p in model.parameters())
     untied = not config.tie_word_embeddings
     expected_position = 2.0 * (total - embeddings - (head if untied else 0) + head)
-    of_model = StepCost.of_model(model, "sdpa")
+    of_model = StepCost.of_model(model, dense=True)
     assert of_model.position == expected_position and of_model.dense
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     assert of_model.pair == 2.0 * config.num_hidden_layers * config.num_attention_heads * head_dim
-    assert not StepCost.of_model(model, "flex_attention").dense
+    assert not StepCost.of_model(model, dense=False).dense
 
 
 def test_unknown_join_is_refused(tmp_path):

@@ -12,7 +12,7 @@ from equivalence import awkward_text_dataset, compare_step, dpo_args, make_train
 from transformers.testing_utils import CaptureLogger
 
 from trl_prefix_sharing import DPOConfig, DPOTrainer
-from trl_prefix_sharing.attention import AttentionSwitch, resolve_attn_implementation
+from trl_prefix_sharing.attention import BACKENDS, AttentionSwitch, choose_backend
 from trl_prefix_sharing.testing import make_model
 
 
@@ -87,7 +87,7 @@ def test_flex_attention_through_the_model_matches_stock(tmp_path, tokenizer, fam
     from torch.nn.attention.flex_attention import BlockMask
 
     stock, shared = make_trainers(tmp_path, family, awkward_text_dataset(), tokenizer, config_kwargs=config_kwargs)
-    shared.sharing.attn_implementation = "flex_attention"
+    shared.sharing.backend = BACKENDS["flex_attention"]
     shared.model.set_attn_implementation("flex_attention")
     examples = [stock.train_dataset[i] for i in range(len(stock.train_dataset))]
     results = []
@@ -95,7 +95,7 @@ def test_flex_attention_through_the_model_matches_stock(tmp_path, tokenizer, fam
         batch = trainer._prepare_inputs(trainer.data_collator(examples))
         with torch.no_grad():
             results.append(trainer.compute_ref_log_probs(trainer.model, batch))
-    masks = batch["prefix_sharing"].attention_mask
+    masks = batch["prefix_sharing"].attention.mask
     masks = masks.values() if isinstance(masks, dict) else [masks]
     assert all(isinstance(mask, BlockMask) for mask in masks)
     for expected, got in zip(*results, strict=True):
@@ -103,12 +103,13 @@ def test_flex_attention_through_the_model_matches_stock(tmp_path, tokenizer, fam
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_flex_attention_on_cpu_is_a_clear_error():
+def test_flex_attention_on_cpu_is_a_clear_error(tokenizer):
+    model = make_model("llama", len(tokenizer))
     with pytest.raises(ValueError, match="no backward pass on cpu"):
-        resolve_attn_implementation("flex_attention", torch.device("cpu"))
-    assert resolve_attn_implementation("auto", torch.device("cpu")) == "sdpa"
+        choose_backend([model], "flex_attention", torch.device("cpu"), torch.float32)
+    assert choose_backend([model], "auto", torch.device("cpu"), torch.float32).name == "sdpa"
     with pytest.raises(ValueError, match="must be one of"):
-        resolve_attn_implementation("eager", torch.device("cpu"))
+        choose_backend([model], "eager", torch.device("cpu"), torch.float32)
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path, tokenizer):

@@ -26,10 +26,18 @@ from trl_prefix_sharing.testing import FAMILIES, make_model
 
 
 def make_trainers(
-    tmp_path, family, tokenizer, dataset=None, peft_config=None, config_kwargs=None, models=None, **overrides
+    tmp_path,
+    family,
+    tokenizer,
+    dataset=None,
+    peft_config=None,
+    config_kwargs=None,
+    models=None,
+    ours=None,
+    **overrides,
 ):
     """(stock, prefix-shared) trainers on deep copies of one policy and reference: new ones of `family`, or `models`
-    (policy, reference)."""
+    (policy, reference); `ours`: fields only our config has."""
     config_kwargs = config_kwargs or {}
     if models is not None:
         model, ref = models
@@ -45,16 +53,16 @@ def make_trainers(
     )
     kwargs.update(overrides)
     trainers = []
-    for cls, config, ours in (
+    for cls, config, options in (
         (StockTrainer, StockConfig, {}),
-        (OnlineDPOTrainer, OnlineDPOConfig, {"prefix_sharing": True}),
+        (OnlineDPOTrainer, OnlineDPOConfig, {"prefix_sharing": True, **(ours or {})}),
     ):
         trainers.append(
             cls(
                 model=copy.deepcopy(model),
                 ref_model=copy.deepcopy(ref),
                 reward_funcs=[reward_length, reward_digits],
-                args=config(output_dir=str(tmp_path / f"run{len(trainers)}"), **ours, **kwargs),
+                args=config(output_dir=str(tmp_path / f"run{len(trainers)}"), **options, **kwargs),
                 train_dataset=dataset if dataset is not None else prompt_dataset(),
                 processing_class=tokenizer,
                 peft_config=copy.deepcopy(peft_config),

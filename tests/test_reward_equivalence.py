@@ -230,7 +230,10 @@ def test_ranked_rewards_equal_k_separate_forwards(tmp_path, tokenizer):
     torch.testing.assert_close(result["rewards"], torch.stack(separate), atol=1e-5, rtol=1e-5)
 
 
-def test_ranked_packing_and_training(tmp_path, tokenizer):
+@pytest.mark.parametrize("kernel", ["sdpa", "varlen"])
+def test_ranked_packing_and_training(tmp_path, tokenizer, kernel):
+    """K ranked completions packed (the varlen kernel: one row exactly as long as the batch's documents, packing a
+    token budget), equal to stock on the expanded pairs, and a short training run."""
     ranked = ranked_dataset()
     stock, ours = make_reward_trainers(
         tmp_path,
@@ -238,8 +241,14 @@ def test_ranked_packing_and_training(tmp_path, tokenizer):
         ranked,
         tokenizer,
         stock_dataset=expand_ranked_to_pairs(ranked),
-        ours={"prefix_sharing": True, "packing": True, "packing_length": 256},
+        ours={
+            "prefix_sharing": True,
+            "packing": True,
+            "packing_length": 256,
+            "prefix_sharing_attn_implementation": kernel,
+        },
     )
+    assert ours.data_collator.rows.stream == (kernel == "varlen")
     stock_result = reward_step(stock, list(stock.train_dataset))
     ours_result = reward_step(ours, list(ours.train_dataset), pairs_in_window=20)
     assert_same_reward_step(stock_result, ours_result, compare_rewards=False)

@@ -99,7 +99,9 @@ def test_reward_trie_matches_stock(tmp_path, tokenizer, data):
     assert positions(got["batch"]) < positions(shared.data_collator(examples))
 
 
-def test_trie_with_packing_and_precomputed_reference(tmp_path, tokenizer):
+@pytest.mark.parametrize("kernel", ["sdpa", "varlen"])
+def test_trie_with_packing_and_precomputed_reference(tmp_path, tokenizer, kernel):
+    """The trie packed, and the reference precomputed through the session's unpacked rows (varlen: its one row)."""
     stock, shared = make_trainers(
         tmp_path,
         "llama",
@@ -107,7 +109,7 @@ def test_trie_with_packing_and_precomputed_reference(tmp_path, tokenizer):
         tokenizer,
         ref_model=None,
         precompute_ref_log_probs=True,
-        ours={"prefix_sharing": True, "packing": True},
+        ours={"prefix_sharing": True, "packing": True, "prefix_sharing_attn_implementation": kernel},
     )
     for column in ("ref_chosen_logps", "ref_rejected_logps"):
         torch.testing.assert_close(
@@ -117,9 +119,8 @@ def test_trie_with_packing_and_precomputed_reference(tmp_path, tokenizer):
         torch.manual_seed(7)
         for param in trainer.model.parameters():
             param.data.add_(torch.randn_like(param), alpha=0.02)
-    shared.data_collator.rows = RowPolicy(
-        pack=True, length=shared._packing_length, one_row=True
-    )  # all pairs in one packed row
+    if kernel == "sdpa":  # all pairs in one packed row (varlen's row is always one)
+        shared.data_collator.rows = RowPolicy(pack=True, length=shared._packing_length, one_row=True)
     examples = list(stock.train_dataset)
     assert_same_step(step(stock, examples), step(shared, examples))
 

@@ -184,12 +184,24 @@ def test_unproven_vision_families_are_refused(tmp_path, processors):
             train_dataset=dataset,
             processing_class=processors["qwen2_vl"],
         )
-    # transformers' Qwen VL models refuse flex_attention: "auto" (Flex on CUDA) means SDPA for them, explicit Flex
-    # fails
-    assert attention_module.vision_attn_implementation("auto", "flex_attention") == "sdpa"
-    assert attention_module.vision_attn_implementation("sdpa", "sdpa") == "sdpa"
-    with pytest.raises(ValueError, match="prefix_sharing_attn_implementation='sdpa'"):
-        attention_module.vision_attn_implementation("flex_attention", "flex_attention")
+    # transformers' Qwen VL models refuse flex_attention, and the varlen kernel is not measured on them: "auto" on
+    # CUDA means SDPA for them, an explicit Flex or varlen fails naming why
+    vision_model = type(
+        "VisionModel",
+        (),
+        {
+            "config": make_vision_config("qwen2_vl", processors["qwen2_vl"].tokenizer),
+            "_supports_sdpa": True,
+            "_supports_flex_attn": True,
+        },
+    )()
+    cuda = torch.device("cuda")
+    assert attention_module.choose_backend([vision_model], "auto", cuda, torch.bfloat16).name == "sdpa"
+    assert attention_module.choose_backend([vision_model], "sdpa", cuda, torch.bfloat16).name == "sdpa"
+    with pytest.raises(ValueError, match="do not accept `flex_attention`.*Use 'auto'"):
+        attention_module.choose_backend([vision_model], "flex_attention", cuda, torch.bfloat16)
+    with pytest.raises(ValueError, match="vision-language models are not yet measured on the varlen kernel"):
+        attention_module.choose_backend([vision_model], "varlen", cuda, torch.bfloat16)
     # a window slides where the text config has sliding layers (as transformers builds `layer_types` from
     # `use_sliding_window`, `sliding_window` and `max_window_layers`): the one window rule of `window_layout`
     sliding = make_vision_config("qwen2_vl", processors["qwen2_vl"].tokenizer)

@@ -36,6 +36,7 @@ __all__ = [
     "refusal",
     "window_layout",
     "variant_configs",
+    "varlen_unmeasured",
 ]
 
 # ---------------------------------------------------------------------------------------------------- reasons
@@ -369,6 +370,23 @@ def check_supported_model(config) -> str | None:
             f"{_measured(entry, 'router_aux_loss')}. Set `output_router_logits=False`, or train it with "
             "`prefix_sharing=False`."
         )
+    return None
+
+
+def varlen_unmeasured(config) -> str | None:
+    """Why the varlen kernel is not known to give this model stock's numbers (None: the registry measured its type
+    equal there, with this config's sliding window where it has one). The sweep's `--varlen` pass measures each
+    supported type: a model whose attention does not hand the model's keyword arguments on to the attention
+    function, or that builds its own mask, cannot run the kernel's segments."""
+    text_config = _text_config(config)
+    model_type = getattr(text_config, "model_type", None)
+    entry = registry()["supported"].get(model_type)
+    if entry is None:
+        return f"the model type '{model_type}' is not measured on the varlen kernel"
+    windowed = window_layout(text_config)[0] is not None
+    if ("sliding_window" if windowed else "default") not in entry.get("varlen", ()):
+        how = " with a sliding window" if windowed else ""
+        return f"'{model_type}'{how} is not measured equal to stock on the varlen kernel (docs/architectures.md)"
     return None
 
 

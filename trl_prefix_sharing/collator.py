@@ -100,11 +100,11 @@ class PrefixSharingCollator:
         (plan,) = self._plans(batch, unit_ids, across=False)
         return plan.tokens_per(unit_ids, int(unit_ids.max()) + 1).tolist()
 
-    def unpacked(self) -> PrefixSharingCollator:
-        """This collator with one document per row (fixed-size batches, e.g. TRL's precomputation of the reference
-        log-probs under packing)."""
+    def unpacked(self, rows: RowPolicy | None = None) -> PrefixSharingCollator:
+        """This collator with unpacked `rows` (default one document per row), for fixed-size batches (e.g. TRL's
+        precomputation of the reference log-probs under packing)."""
         clone = copy.copy(self)
-        clone.rows = RowPolicy()
+        clone.rows = rows or RowPolicy()
         return clone
 
 

@@ -52,12 +52,18 @@ _SHARING_DOC = """
         (custom code under its own `model_type`, types from a newer transformers, a sliding window the registry did
         not measure); `"always"`: for every model.
     prefix_sharing_attn_implementation (`str`, *optional*, defaults to `"auto"`):
-        Attention that applies the prefix-sharing mask: `"flex_attention"` (block-sparse FlexAttention, CUDA),
-        `"sdpa"` (the same mask, dense, through `scaled_dot_product_attention`; any device), or `"auto"`
-        (FlexAttention on CUDA, SDPA elsewhere). The trainer switches the attention implementation of the models it
-        holds (undone by `trainer.remove_prefix_sharing()`); no custom attention name is registered, so saved configs
-        are unaffected. Under FlexAttention the shared rows' width is rounded up to a multiple of 128 (its block size)
-        unless `pad_to_multiple_of` is set (`1`: no rounding), so its compiled kernels see few distinct shapes.
+        The attention kernel of the shared rows. `"varlen"`: the micro-batch's unique tokens as one unpadded row, each
+        branch of the prefix trie attending to the keys of its path gathered along the trie, through PyTorch's
+        FlashAttention-2 varlen kernel (CUDA, Ampere or newer, bfloat16/float16; elsewhere the same segments run
+        through a reference implementation, each through SDPA). `"flex_attention"`: the prefix-sharing mask as a
+        block-sparse FlexAttention `BlockMask` (CUDA). `"sdpa"`: the same mask, dense, through
+        `scaled_dot_product_attention` (any device). `"auto"`: on CUDA the first of varlen, FlexAttention and SDPA
+        that can run, SDPA elsewhere; the start-up log says which and why. An explicit kernel that cannot run is an
+        error naming why. The trainer switches the attention implementation of the models it holds for the length of
+        `train()`/`evaluate()` (varlen registers `"prefix_sharing_varlen"` with transformers' `AttentionInterface`);
+        saved configs never name it. Under FlexAttention the shared rows' width is rounded up to a multiple of 128
+        (its block size) unless `pad_to_multiple_of` is set (`1`: no rounding), so its compiled kernels see few
+        distinct shapes; varlen's one row is never padded.
 """
 
 _PACKING_DOC = """
@@ -114,8 +120,10 @@ class PrefixSharingArguments:
     prefix_sharing_attn_implementation: str = field(
         default="auto",
         metadata={
-            "help": "Attention for the prefix-sharing mask: 'flex_attention' (CUDA), 'sdpa' (dense mask, any device) "
-            "or 'auto' (FlexAttention on CUDA, SDPA elsewhere).",
+            "help": "Attention kernel of the shared rows: 'varlen' (one unpadded row, each trie branch attending to "
+            "its path's gathered keys; FlashAttention-2 varlen on CUDA in bf16/fp16, a reference elsewhere), "
+            "'flex_attention' (block-sparse mask, CUDA), 'sdpa' (dense mask, any device) or 'auto' (the first of "
+            "varlen, FlexAttention, SDPA that can run on CUDA; SDPA elsewhere).",
             "choices": list(ATTN_IMPLEMENTATIONS),
         },
     )

@@ -5,8 +5,8 @@ longer. Which wins depends on the attention kernel:
 
 - a dense kernel (SDPA or eager with the mask as a tensor, the CPU's) computes every query-key pair of a row whatever
   the mask: `rows x width^2` pairs, so one long row can cost more than the positions it saves;
-- a block-sparse kernel (FlexAttention) skips the blocks the mask hides: it pays for the visible pairs, which joining
-  only lowers.
+- a block-sparse kernel (FlexAttention) skips the blocks the mask hides, and the varlen kernel computes each segment's
+  path only: they pay for the visible pairs, which joining only lowers.
 
 The linear layers cost the same per position either way, and the model runs every position of its rows, padding
 included. So a step costs
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-__all__ = ["StepCost"]
+__all__ = ["StepCost", "config_int"]
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,8 @@ class StepCost:
     Args:
         position: multiply-adds per position the model runs (its linear layers).
         pair: multiply-adds per query-key pair the attention kernel computes.
-        dense: whether the kernel computes every pair of a row (SDPA, eager) or the visible ones only (FlexAttention).
+        dense: whether the kernel computes every pair of a row (SDPA, eager) or the visible ones only (FlexAttention,
+            varlen).
     """
 
     position: float
@@ -48,26 +49,27 @@ class StepCost:
         return self.position * num_rows * width + self.pair * pairs
 
     @classmethod
-    def of_model(cls, model, attn_implementation: str) -> StepCost:
+    def of_model(cls, model, dense: bool = True) -> StepCost:
         """The cost model of `model` (its parameters outside the embeddings, its attention's layers, heads and head
-        size) under `attn_implementation` (`"flex_attention"` is block-sparse, every other kernel dense)."""
+        size) under a kernel that is `dense` (SDPA, eager) or computes the visible pairs only (FlexAttention,
+        varlen)."""
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         head_size = head.weight.numel() if head is not None else 0  # the LM head runs per position, tied or not
         lookups = {id(p) for p in model.get_input_embeddings().parameters()}
         lookups |= {id(p) for p in head.parameters()} if head is not None else set()
         parameters = sum(p.numel() for p in model.parameters() if id(p) not in lookups) + head_size
-        heads = _read(config, "num_attention_heads") or 1
-        head_dim = _read(config, "head_dim") or (_read(config, "hidden_size") or 64 * heads) // heads
-        layers = _read(config, "num_hidden_layers") or 1
+        heads = config_int(config, "num_attention_heads") or 1
+        head_dim = config_int(config, "head_dim") or (config_int(config, "hidden_size") or 64 * heads) // heads
+        layers = config_int(config, "num_hidden_layers") or 1
         return cls(
             position=2.0 * parameters,
             pair=2.0 * layers * heads * head_dim,
-            dense=attn_implementation != "flex_attention",
+            dense=dense,
         )
 
 
-def _read(config, name: str):
+def config_int(config, name: str):
     """`config.name`, or None where the config has none or no single value (a config whose layers differ refuses
     to give one: the estimate then takes the default, a model-wide approximation)."""
     try:

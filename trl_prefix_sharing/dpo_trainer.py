@@ -105,8 +105,8 @@ class DPOTrainer(PreferenceSharingMixin, trl.DPOTrainer):
         self._setup_prefix_sharing()  # TRL runs this from inside `__init__`
         if not self.packing:
             return super()._precompute_ref_logps(dataset, name, batch_size)
-        packed_collator, self.data_collator = self.data_collator, self.data_collator.unpacked()
-        try:  # fixed-size batches (TRL's DataLoader), so unpacked rows: one document per row
+        packed_collator, self.data_collator = self.data_collator, self.data_collator.unpacked(self.sharing.rows)
+        try:  # fixed-size batches (TRL's DataLoader), so the session's unpacked rows
             return super()._precompute_ref_logps(dataset, name, batch_size)
         finally:
             self.data_collator = packed_collator

@@ -8,8 +8,8 @@ forward on one model instance: when the call carries a `prefix_sharing` layout (
 `PrefixSharingCollator`), the backbone and the LM head run on the shared rows
 only, and every per-token field is gathered back to the stock positions. Everything downstream (losses, metrics,
 reference passes) is TRL's own code, unchanged. Without a layout, or for a plain (non-fused) call such as generation,
-the model's forward is untouched. The mask travels as a forward argument, so gradient checkpointing's recomputation
-sees it. `remove_prefix_sharing_forward` undoes the wrap.
+the model's forward is untouched. The mask (or the varlen kernel's segments) travels as a forward argument, so
+gradient checkpointing's recomputation sees it. `remove_prefix_sharing_forward` undoes the wrap.
 
 A call with a layout but without `fused_lm_head` (a trainer that reads logits in stock, such as online DPO with
 half-precision logits) runs the model's own forward on the shared rows and gathers the logits back to the stock rows
@@ -111,24 +111,25 @@ def check_layout_matches(layout: Layout, input_ids: torch.Tensor, attention_mask
 
 def _take_stock_inputs(kwargs: dict, layout: Layout, replaced: tuple[str, ...]):
     """The start of every shared call: refuse the inputs the layout replaces (`replaced`), take the stock
-    `input_ids` and `attention_mask` out of `kwargs` and check the layout against them. Returns those two, the
-    layout's mask and the shared rows' position ids (a vision batch's inputs in `kwargs` swapped for the shared
-    rows': images once per pair, M-RoPE rows)."""
+    `input_ids` and `attention_mask` out of `kwargs` and check the layout against them. Returns those two, what the
+    attention backend adds to the model call (its mask, or the varlen kernel's segments) and the shared rows'
+    position ids (a vision batch's inputs in `kwargs` swapped for the shared rows': images once per pair, M-RoPE
+    rows)."""
     for name in replaced:
         if kwargs.get(name) is not None:
             raise ValueError(f"Prefix sharing builds its own inputs; `{name}` cannot be passed alongside the layout.")
-    mask = layout.attention_mask
-    if mask is None:
+    if layout.attention is None:
         raise RuntimeError(
-            "The prefix-sharing attention mask was not built for this batch. Call the model through the trainer "
-            "(it builds the mask once per step, shared by the policy and reference passes)."
+            "The prefix-sharing attention inputs were not built for this batch. Call the model through the trainer "
+            "(it builds them once per step, shared by the policy and reference passes)."
         )
+    attention = layout.attention.model_kwargs()
     position_ids = substitute_vision_inputs(kwargs, layout)
     input_ids = kwargs.pop("input_ids")
     stock_attention_mask = kwargs.pop("attention_mask", None)
     check_layout_matches(layout, input_ids, stock_attention_mask)
     kwargs.pop("use_cache", None)  # the shared calls never cache
-    return input_ids, stock_attention_mask, mask, position_ids
+    return input_ids, stock_attention_mask, attention, position_ids
 
 
 def _shared_forward(original_forward, kwargs: dict, layout: Layout):
@@ -137,7 +138,7 @@ def _shared_forward(original_forward, kwargs: dict, layout: Layout):
     # stock `shift_labels` (a label for every column, the last included) or `labels` (shifted here, as stock shifts)
     shift_labels = kwargs.pop("shift_labels", None)
     labels = kwargs.pop("labels", None)
-    input_ids, stock_attention_mask, mask, position_ids = _take_stock_inputs(
+    input_ids, stock_attention_mask, attention, position_ids = _take_stock_inputs(
         kwargs, layout, ("inputs_embeds", "position_ids", *_CACHES)
     )
     if (labels is None) == (shift_labels is None):
@@ -157,7 +158,7 @@ def _shared_forward(original_forward, kwargs: dict, layout: Layout):
     try:
         outputs = original_forward(
             input_ids=layout.input_ids,
-            attention_mask=mask,
+            **attention,
             position_ids=position_ids,
             shift_labels=shared_labels(layout, stock_labels, check=layout.check, shifted=shifted),
             **({"output_router_logits": False} if moe else {}),
@@ -188,7 +189,7 @@ def _shared_logits_forward(original_forward, kwargs: dict, layout: Layout):
     `logits_to_keep` stock columns (all of them when 0), as the stock call would return them. Only the logits."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    _, _, mask, position_ids = _take_stock_inputs(
+    _, _, attention, position_ids = _take_stock_inputs(
         kwargs, layout, ("inputs_embeds", "position_ids", "labels", "shift_labels", *_CACHES)
     )
     keep = kwargs.pop("logits_to_keep", 0)
@@ -198,7 +199,7 @@ def _shared_logits_forward(original_forward, kwargs: dict, layout: Layout):
     if hasattr(original_forward.__self__.config.get_text_config(), "output_router_logits"):
         kwargs["output_router_logits"] = False  # MoE: the auxiliary loss is not returned here (it needs stock's rows)
     logits = original_forward(
-        input_ids=layout.input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False, **kwargs
+        input_ids=layout.input_ids, **attention, position_ids=position_ids, use_cache=False, **kwargs
     ).logits
     index = layout.stock_index[:, -keep:]
     return CausalLMOutputWithPast(logits=gather_to_stock(logits, index, index >= 0))
@@ -238,13 +239,13 @@ def _shared_classification_forward(model, kwargs: dict, layout: Layout):
     transformers reads it, i.e. at the rightmost token of each stock row that is not `pad_token_id`."""
     from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
-    input_ids, _, mask, position_ids = _take_stock_inputs(
+    input_ids, _, attention, position_ids = _take_stock_inputs(
         kwargs, layout, ("inputs_embeds", "position_ids", "labels", *_CACHES)
     )
     kwargs.pop("margin", None)  # TRL's reward trainer hands the whole batch to the model
     hidden = getattr(model, model.base_model_prefix)(
         input_ids=layout.input_ids,
-        attention_mask=mask,
+        **attention,
         position_ids=position_ids,
         use_cache=False,
         **kwargs,

@@ -31,6 +31,10 @@ or a document that several examples start with is computed once too. `"auto"` ma
 the one whose estimated step cost is lower (`cost.StepCost`): a longer row costs a dense kernel more attention than
 the positions it saves, a block-sparse kernel only what its visible blocks hold.
 
+**One row for a varlen kernel.** `RowPolicy(stream=True)` lays every document in one row exactly as long as they are
+together (no padding, no rounding) and describes its attention as query segments (`Segments`): each sorted row's new
+tokens, reading the keys of its whole path, gathered.
+
 **Built with tensor ops where the batch lives**: a sort of the rows (longest common prefixes of all row pairs,
 chunked), cumulative sums and scatters; no per-token Python. One device-to-host read per build gives the shared rows'
 shape.
@@ -82,9 +86,9 @@ _COMPARE_CHUNK = 1 << 24
 class Layout:
     """The shared rows of a micro-batch's stock rows, and the way back to stock (see the module docstring).
 
-    Made by `build_layout` (a pure function of the stock rows); the trainer's session adds the mask in the form its
-    attention kernel takes (`attention_mask`), and for a vision batch the images once per example (`vision`). It
-    travels in the batch under the key `"prefix_sharing"` and is moved to the device with it (`to`).
+    Made by `build_layout` (a pure function of the stock rows); the trainer's session adds what its attention backend
+    gives the model (`attention`), and for a vision batch the images once per example (`vision`). It travels in the
+    batch under the key `"prefix_sharing"` and is moved to the device with it (`to`).
 
     Args:
         input_ids: `[N, S]` tokens of the shared rows (padding: the pad id).
@@ -95,11 +99,14 @@ class Layout:
         stock_index: `[R, L]` the flat place (into `N * S`) of every stock token, -1 for stock padding.
         key_visible: `[N, S]` False for laid-out stock padding that is scored but never a key (`score_padding`), or
             None.
-        attention_mask: the mask of `subtree_end` in the form the attention kernel takes (a FlexAttention
-            `BlockMask` or a dense additive mask), or None until the session adds it.
+        attention: what the attention backend adds to the model call for these rows (`attention.AttentionInputs`: the
+            mask of `subtree_end` as a FlexAttention `BlockMask` or a dense tensor, or the varlen kernel's segments),
+            or None until the session adds it.
         check: whether the forward verifies the shared rows against the stock rows (a host sync on an accelerator).
         vision: the images of a vision batch, once per example, and their M-RoPE positions, or None.
         join: the join rule of the plan that was laid out (`JOINS`; `"auto"` chooses `"prompts"` or `"always"`).
+        segments: for one unpadded row (`RowPolicy(stream=True)`), the attention calls that compute it as query
+            segments reading their gathered paths (`Segments`), else None.
     """
 
     input_ids: torch.Tensor
@@ -108,10 +115,11 @@ class Layout:
     subtree_end: torch.Tensor
     stock_index: torch.Tensor
     key_visible: torch.Tensor | None = None
-    attention_mask: Any = None
+    attention: Any = None
     check: bool = True
     vision: dict | None = None
     join: str = "prompts"
+    segments: tuple[Segments, ...] | None = None
 
     @property
     def num_positions(self) -> torch.Tensor:
@@ -128,14 +136,69 @@ class Layout:
 
 
 def _moved(value, device, non_blocking: bool):
-    """`value` on `device` (None: in pinned memory): tensors, dicts of them and anything with `to` (a `BlockMask`)."""
+    """`value` on `device` (None: in pinned memory): tensors, dicts and tuples of them and anything with `to` (a
+    `BlockMask`, `Segments`)."""
     if isinstance(value, dict):
         return {key: _moved(item, device, non_blocking) for key, item in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_moved(item, device, non_blocking) for item in value)
     if device is None:
         return value.pin_memory() if isinstance(value, torch.Tensor) else value
     if isinstance(value, torch.Tensor):
         return value.to(device, non_blocking=non_blocking)
     return value.to(device) if hasattr(value, "to") else value
+
+
+@dataclass
+class Segments:
+    """One attention call over a layout laid out as one unpadded row (`RowPolicy(stream=True)`), in the form a varlen
+    kernel takes: query segments, each reading the keys of its own path.
+
+    In the trie, every sorted row adds one run of new tokens after the path it shares with earlier rows. That run is a
+    query segment, and its keys are its whole path, gathered along the trie: the ancestors' tokens, then its own. With
+    bottom-right causal alignment (a segment of `q` queries over `k` keys: query `i` sees keys `0 .. k - q + i`), one
+    call computes every token exactly as `on_path` allows. Scored padding (`score_padding`) is a second call: each
+    row's padding queries see its whole real path and no padding key (`causal=False`).
+
+    Args:
+        key_index: `[K]` the flat place (in the row) of every key of every segment, segment after segment, each path
+            in order.
+        cu_queries: `[S + 1]` int32 cumulative query counts (segment `s` has queries `cu_queries[s]:cu_queries[s + 1]`
+            of the queries this call computes).
+        cu_keys: `[S + 1]` int32 cumulative key counts, into `key_index`.
+        max_queries, max_keys: the longest segment's queries and keys.
+        query_index: `[Q]` the flat place of each query of this call, or None where they are the whole row in order.
+        causal: bottom-right causal (the tokens) or every key of the path (scored padding).
+    """
+
+    key_index: torch.Tensor
+    cu_queries: torch.Tensor
+    cu_keys: torch.Tensor
+    max_queries: int
+    max_keys: int
+    query_index: torch.Tensor | None = None
+    causal: bool = True
+
+    @property
+    def num_segments(self) -> int:
+        return self.cu_queries.shape[0] - 1
+
+    def bounds(self) -> list[tuple[int, int, int, int]]:
+        """`(query_start, query_end, key_start, key_end)` of every segment, read on the host once (a reference
+        implementation's loop)."""
+        bounds = getattr(self, "_bounds", None)
+        if bounds is None:
+            q, k = self.cu_queries.tolist(), self.cu_keys.tolist()
+            bounds = self._bounds = [(q[s], q[s + 1], k[s], k[s + 1]) for s in range(len(q) - 1)]
+        return bounds
+
+    def to(self, device, non_blocking: bool = False) -> Segments:
+        moved = {
+            f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **moved)
 
 
 @dataclass(frozen=True)
@@ -144,6 +207,8 @@ class RowPolicy:
 
     Args:
         pack: several documents per row, placed by first-fit decreasing (or as `placement` says).
+        stream: every document in one row exactly as long as they are together (no padding, no rounding), described
+            as query segments for a varlen attention kernel (`Layout.segments`); the other fields are then unused.
         length: the rows' fixed width. None: as wide as needed (unpacked: the longest document, rounded up to
             `multiple`; packed: first-fit decreasing into rows as wide as the longest document, the width dense
             attention pays no more for than stock's padded rows).
@@ -157,9 +222,17 @@ class RowPolicy:
     one_row: bool = False
     multiple: int | None = None
     placement: tuple[tuple[int, ...], ...] | None = None
+    stream: bool = False
+
+    @property
+    def packs(self) -> bool:
+        """Whether several documents share a row (packing, or the one row of a stream)."""
+        return self.pack or self.stream
 
     def place(self, lengths: list[int]) -> list[list[int]]:
-        """The documents of each row, given every document's length (packed policies only)."""
+        """The documents of each row, given every document's length (policies that pack only)."""
+        if self.stream:
+            return [list(range(len(lengths)))]
         if self.placement is not None:
             return [list(row) for row in self.placement]
         if self.one_row:
@@ -174,6 +247,8 @@ class RowPolicy:
 
     def width(self, needed: int) -> int:
         """The rows' width when the widest row needs `needed` tokens; an error if a fixed width is too narrow."""
+        if self.stream:
+            return needed
         if self.length is not None:
             if needed > self.length:
                 raise ValueError(f"A packed row needs {needed} tokens, more than its length of {self.length}.")
@@ -450,12 +525,14 @@ def assemble_layout(
     document_base: torch.Tensor | None = None,
     document_slot: torch.Tensor | None = None,
     pad_token_id: int = 0,
+    segments: bool = False,
 ) -> Layout:
     """Allocate the shared rows `[num_rows, width]` and place the plan's documents in them.
 
     Args:
         document_row, document_base, document_slot: per document, its shared row, its first column there, and its
             number within the row (`document_ids`); default one document per row.
+        segments: also describe the rows as query segments for a varlen kernel (`Layout.segments`; one row only).
 
     Returns:
         `input_ids`, `position_ids`, `document_ids` (-1 = padding), `subtree_end` (a key's subtree is
@@ -508,7 +585,46 @@ def assemble_layout(
         subtree_end=subtree_end.view(num_rows, width),
         stock_index=stock_index,
         key_visible=key_visible,
+        segments=_segments(plan, flat, depth, laid, num_rows) if segments else None,
     )
+
+
+def _segments(plan: LayoutPlan, flat: torch.Tensor, depth: torch.Tensor, laid: torch.Tensor, num_rows: int):
+    """The attention calls of a one-row layout as query segments (`Segments`): each sorted row's new real tokens
+    reading its real path, bottom-right causal; with scored padding, a second call in which each row's padding reads
+    its whole real path. `flat`, `depth`, `laid`: `[R, L]` per sorted row and stock column, the flat place, the depth
+    in the row and whether it is laid out. One host read (the longest segments)."""
+    if num_rows != 1:
+        raise ValueError("Query segments describe a layout of one row (`RowPolicy(stream=True)`).")
+    if flat.shape[0] == 0:
+        return ()
+    real, first = plan.real_lengths[:, None], plan.first_new[:, None]
+    path = laid & (depth < real)  # every sorted row's real path
+    calls = [(laid & (depth >= first) & (depth < real), True)]  # its new real tokens
+    if plan.score_padding:
+        calls.append((laid & (depth >= torch.maximum(first, real)), False))  # its padding
+    sizes = []
+    for queries, _ in calls:
+        query_counts, key_counts = queries.sum(1), path.sum(1)
+        key_counts = torch.where(query_counts > 0, key_counts, 0)  # a row that adds no query reads nothing
+        sizes.append((query_counts, key_counts))
+    longest = torch.stack([torch.stack([q.max(), k.max()]) for q, k in sizes]).tolist() if flat.shape[0] else []
+    out = []
+    for (queries, causal), (query_counts, key_counts), (max_q, max_k) in zip(calls, sizes, longest, strict=True):
+        keep = query_counts > 0
+        zero = torch.zeros(1, dtype=torch.int32, device=flat.device)
+        out.append(
+            Segments(
+                key_index=flat[path & keep[:, None]],
+                cu_queries=torch.cat([zero, query_counts[keep].cumsum(0).int()]),
+                cu_keys=torch.cat([zero, key_counts[keep].cumsum(0).int()]),
+                max_queries=max_q,
+                max_keys=max_k,
+                query_index=flat[queries] if plan.score_padding else None,  # else the row in order
+                causal=causal,
+            )
+        )
+    return tuple(out)
 
 
 def build_layout(
@@ -568,7 +684,9 @@ def build_layout(
             "to plans that fit) or `'prompts'`, or a larger `packing_length`."
         ) from shapes[chosen]
     num_rows, width, placement, _ = shapes[chosen]
-    layout = assemble_layout(plans[chosen], num_rows, width, pad_token_id=pad_token_id, **placement)
+    layout = assemble_layout(
+        plans[chosen], num_rows, width, pad_token_id=pad_token_id, segments=rows.stream, **placement
+    )
     layout.check = check
     layout.join = plans[chosen].join
     return layout
@@ -579,14 +697,14 @@ def _shapes(plans: list[LayoutPlan], rows: RowPolicy) -> list:
     its mask lets through (`visible_pairs`), or the `ValueError` saying why its documents do not fit `rows`. One host
     read for all plans (each plan's documents, visible pairs, and longest document, or every document's length when
     packed)."""
-    if rows.pack:
+    if rows.packs:
         sizes = [torch.cat([torch.stack([p.num_documents, p.visible_pairs]), p.document_lengths]) for p in plans]
     else:
         sizes = [torch.stack([p.num_documents, p.visible_pairs, p.document_lengths.max()]) for p in plans]
     shapes = []
     for p, (num_documents, pairs, *lengths) in zip(plans, torch.stack(sizes).tolist(), strict=True):
         try:
-            if rows.pack:
+            if rows.packs:
                 num_rows, needed, placement = _placed(rows, lengths[:num_documents], p.order.device)
             else:
                 num_rows, needed, placement = num_documents, lengths[0], {}
@@ -633,7 +751,7 @@ def shared_group_layout(
     attention_mask: torch.Tensor,
     prompt_length: int,
     pad_token_id: int,
-    pad_to_multiple_of: int | None = None,
+    rows: RowPolicy | None = None,
     score_padding: bool = False,
     check: bool = True,
     join: str = "prompts",
@@ -641,13 +759,13 @@ def shared_group_layout(
 ) -> Layout:
     """The shared layout of generated rows `[prompt (prompt_length columns) | completion]` (GRPO, RLOO, online DPO),
     on the rows' device: a row's prompt is its tokens in the prompt columns, so a prompt's generations (and duplicate
-    prompts') form one document (`score_padding`: see `plan_layout`; `join`, `cost`: see `build_layout`)."""
+    prompts') form one document (`score_padding`: see `plan_layout`; `rows`, `join`, `cost`: see `build_layout`)."""
     prompt_lengths = attention_mask[:, :prompt_length].sum(dim=1)
     return build_layout(
         input_ids,
         attention_mask,
         prompt_lengths=prompt_lengths,
-        rows=RowPolicy(multiple=pad_to_multiple_of),
+        rows=rows,
         pad_token_id=pad_token_id,
         score_padding=score_padding,
         check=check,

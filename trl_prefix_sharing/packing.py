@@ -135,19 +135,11 @@ class PackedBatchesMixin:
         self._packing_length = None  # tokens per packed row, resolved when the collator is wrapped
 
     # ----------------------------------------------------------------------------------------------- set-up
-    def _packed_rows(self, dense: bool) -> RowPolicy:
-        """The row policy of packed batches, handed to the collator once it is wrapped (the rows' length is measured
-        with it). `dense`: the attention kernel costs the square of the row length whatever the mask (SDPA, eager),
-        so a batch takes several rows as long as its longest document (never more attention than stock's padded
-        rows) instead of one long row."""
+    def _packed_rows(self, backend) -> RowPolicy:
+        """The row policy of packed batches under the session's attention `backend` (`backend.packed_rows`), handed to
+        the collator once it is wrapped (the rows' length is measured with it)."""
         self._packing_length = self._resolve_packing_length()
-        if dense:
-            return RowPolicy(pack=True)
-        if self._streams():
-            # a stream has no sampler to make a batch fit one row: what arrives goes into as many rows of
-            # `packing_length` as it needs (first-fit decreasing); a map-style batch takes one
-            return RowPolicy(pack=True, length=self._packing_length)
-        return RowPolicy(pack=True, length=self._packing_length, one_row=True)
+        return backend.packed_rows(self._packing_length, self._streams())
 
     def _unit_lengths(self, dataset, grouped: bool = False) -> list[int]:
         """Each example's packing unit; `grouped`: each prompt group's (`group_by_prompt`), in `_groups` order."""

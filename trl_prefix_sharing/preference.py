@@ -71,13 +71,13 @@ class PreferenceSharingMixin(PackingMixin, CollatedSharingMixin):
     """Prefix sharing and packing for a preference trainer (DPO, reward); see the module docstring."""
 
     def _setup_collator(self) -> None:
-        """The stock collator wrapped to add each batch's layout: unpacked rows as the session rounds them, or packed
-        rows as packing's row policy says (`_packed_rows`, given whether the session's kernel is dense)."""
+        """The stock collator wrapped to add each batch's layout: unpacked rows as the session's backend lays them
+        out, or packed rows as packing's row policy says (`_packed_rows`, given the session's backend)."""
         if isinstance(self.data_collator, PrefixSharingCollator):
             return
         super()._setup_collator()
         if self.packing:
-            self.data_collator.rows = self._packed_rows(dense=self.sharing.attn_implementation != "flex_attention")
+            self.data_collator.rows = self._packed_rows(self.sharing.backend)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         self._share_batch(inputs)

@@ -1,11 +1,11 @@
 """The session: what one trainer holds to run its models on shared layouts.
 
-A `PrefixSharingSession` owns the trainer's models and what every layout of theirs needs: the attention kernel
-(chosen once, in `attention.choose_attn_implementation`), the pad id and the row rounding of the shared rows, and
-the model patches (attention switched, forward wrapped; scoped to these model instances, applied by `attach` and
-undone by `detach`). It builds nothing of its own: a layout is the pure `layout.build_layout` of the stock rows, and
-the session adds the mask in its kernel's form (`with_mask`), once per layout, so the policy and reference passes
-share it.
+A `PrefixSharingSession` owns the trainer's models and what every layout of theirs needs: the attention backend
+(chosen once, by `attention.choose_backend`), the pad id and the rows the backend lays out, and the model patches
+(attention switched, forward wrapped; scoped to these model instances, applied by `attach` and undone by `detach`). It
+builds nothing of its own: a layout is the pure `layout.build_layout` of the stock rows, and the session adds what the
+backend gives the model for it (`with_attention`: a mask, or the varlen kernel's segments), once per layout, so the
+policy and reference passes share it.
 
 Every trainer reaches it in one line per batch:
 
@@ -25,8 +25,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .attention import AttentionSwitch, build_attention_mask, choose_attn_implementation, shared_row_multiple
-from .cost import StepCost
+from .attention import AttentionBackend, AttentionSwitch
 from .forward import install_prefix_sharing_forward, remove_prefix_sharing_forward
 from .layout import Layout, RowPolicy, build_layout, shared_group_layout
 from .patching import is_patched, keep_own, mark_patched, put_back_own
@@ -52,10 +51,8 @@ class PrefixSharingSession:
     Args:
         models: the trainer's models (policy first, then the reference model if it has its own), unwrapped.
         processing_class: the trainer's tokenizer or processor (for the pad id).
-        attn_implementation: `prefix_sharing_attn_implementation` (`"auto"`, `"flex_attention"` or `"sdpa"`).
-        device: the device the models train on (decides `"auto"`).
-        pad_to_multiple_of: the config's `pad_to_multiple_of`: what the shared rows' width is rounded up to (under
-            FlexAttention, its block size by default).
+        backend: the attention backend its layouts run on (`attention.choose_backend`).
+        pad_to_multiple_of: the config's `pad_to_multiple_of`, which the backend's rows may round to (`rows`).
         fuse_lm_head: add TRL's fused log-prob head to the models first (for a trainer that materialises logits in
             stock, such as online DPO): the shared rows are then scored without logits over the prompt. A tuple: the
             per-token fields the head computes (its `outputs`, e.g. `("log_probs", "mean_logits")`).
@@ -69,8 +66,7 @@ class PrefixSharingSession:
         self,
         models,
         processing_class,
-        attn_implementation: str,
-        device,
+        backend: AttentionBackend,
         pad_to_multiple_of=None,
         fuse_lm_head: bool | tuple[str, ...] = False,
         checks: bool | None = None,
@@ -79,11 +75,11 @@ class PrefixSharingSession:
     ):
         self.models = list(models)
         self.pad_token_id = pad_token_id(processing_class)
-        self.attn_implementation = choose_attn_implementation(self.models, attn_implementation, device)
-        self.row_multiple = shared_row_multiple(self.attn_implementation, pad_to_multiple_of)
+        self.backend = backend
+        self.pad_to_multiple_of = pad_to_multiple_of
         self.checks = checks
         self.autocast = autocast
-        self.join, self.cost = join, StepCost.of_model(self.models[0], self.attn_implementation)
+        self.join, self.cost = join, self.backend.cost(self.models[0])
         #: a trainer whose TRL code calls its models without a layout sets this: `router(model, kwargs)` gives the
         #: layout of a fused call's rows, a finished output, or None (see `install_prefix_sharing_forward`)
         self.router = None
@@ -91,13 +87,16 @@ class PrefixSharingSession:
         self._layouts = _LayoutCache()
 
     @property
-    def rows(self) -> RowPolicy:
-        """Unpacked shared rows: one document per row, the width rounded up to this session's multiple."""
-        return RowPolicy(multiple=self.row_multiple)
+    def attn_implementation(self) -> str:  # the backend's name, as `prefix_sharing_attn_implementation` resolved
+        return self.backend.name
+
+    @property
+    def rows(self) -> RowPolicy:  # the backend's unpacked rows (rounded, or varlen's one unpadded row)
+        return self.backend.rows(self.pad_to_multiple_of)
 
     def attach(self) -> None:
         """Patch the models for this session's kernel (see `ModelPatches.attach`); idempotent."""
-        self.patches.attach(self.attn_implementation)
+        self.patches.attach(self.backend.attn_implementation)
 
     def detach(self) -> None:
         """Undo the patches (see `ModelPatches.detach`)."""
@@ -111,18 +110,18 @@ class PrefixSharingSession:
         return None if self.router is None else self.router(model, kwargs)
 
     # ----------------------------------------------------------------------------------------------- layouts
-    def with_mask(self, layout: Layout) -> Layout:
-        """`layout` with its attention mask in this session's kernel's form, and whether its forward checks it (built
-        once per layout; the layout is returned)."""
-        if layout.attention_mask is None:
+    def with_attention(self, layout: Layout) -> Layout:
+        """`layout` with what this session's backend gives the model for it (`Layout.attention`), and whether its
+        forward checks it (built once per layout; the layout is returned)."""
+        if layout.attention is None:
             layout.check = self._checks_on(layout.input_ids)
-            layout.attention_mask = build_attention_mask(layout, self.attn_implementation, self.models[0].config)
+            layout.attention = self.backend.inputs(layout, self.models[0].config)
         return layout
 
     def prepare(self, inputs: Mapping) -> Layout:
-        """Complete the layout a collated batch carries (`inputs["prefix_sharing"]`) for the forward: its mask, and for
-        a vision batch its images once per example. Built once per batch, shared by the policy and reference passes.
-        Returns the layout."""
+        """Complete the layout a collated batch carries (`inputs["prefix_sharing"]`) for the forward: its attention
+        inputs, and for a vision batch its images once per example. Built once per batch, shared by the policy and
+        reference passes. Returns the layout."""
         layout = inputs.get("prefix_sharing") if isinstance(inputs, Mapping) else None
         if not isinstance(layout, Layout):
             raise RuntimeError("Prefix sharing is on but the batch has no layout: was the data collator replaced?")
@@ -130,7 +129,7 @@ class PrefixSharingSession:
         if layout.input_ids.device != device:  # a batch moved by something other than accelerate's `send_to_device`
             layout = inputs["prefix_sharing"] = layout.to(device)
         self.attach()
-        self.with_mask(layout)
+        self.with_attention(layout)
         if layout.vision is None and has_vision_inputs(inputs):  # images once per pair, M-RoPE positions
             layout.vision = shared_vision_inputs(self.models[0], inputs, layout)
         return layout
@@ -143,8 +142,8 @@ class PrefixSharingSession:
         examples: torch.Tensor | None = None,
         score_padding: bool = False,
     ) -> Layout:
-        """The layout, with its mask, of stock rows built in the training step (the trie of the rows; `examples`,
-        `prompt_lengths` and `score_padding`: see `plan_layout`). On the rows' device; one host read."""
+        """The layout, with its attention inputs, of stock rows built in the training step (the trie of the rows;
+        `examples`, `prompt_lengths` and `score_padding`: see `plan_layout`). On the rows' device; one host read."""
         self.attach()
         layout = build_layout(
             input_ids,
@@ -158,7 +157,7 @@ class PrefixSharingSession:
             join=self.join,
             cost=self.cost,
         )
-        return self.with_mask(layout)
+        return self.with_attention(layout)
 
     def generated_layout(
         self,
@@ -168,12 +167,13 @@ class PrefixSharingSession:
         score_padding: bool = False,
         source: tuple[torch.Tensor, ...] | None = None,
     ) -> Layout:
-        """The layout, with its mask, of generated rows `[left-padded prompt | completion]` (the trie of the rows: a
-        prompt's generations, and duplicate prompts', computed once; `score_padding`: see `plan_layout`).
+        """The layout, with its attention inputs, of generated rows `[left-padded prompt | completion]` (the trie of
+        the rows: a prompt's generations, and duplicate prompts', computed once; `score_padding`: see
+        `plan_layout`).
 
         Built once per set of rows: it is kept while the tensors the rows were read from live unchanged (`source`,
         default `input_ids` and `attention_mask`; views of one generation batch count as the same rows), so the
-        old-policy, reference and training passes over the same rows share one layout and one mask."""
+        old-policy, reference and training passes over the same rows share one layout and its attention inputs."""
         self.attach()
         source = (input_ids, attention_mask) if source is None else source
         key = (prompt_length, score_padding)
@@ -184,13 +184,13 @@ class PrefixSharingSession:
                 attention_mask,
                 prompt_length,
                 self.pad_token_id,
-                self.row_multiple,
+                self.rows,
                 score_padding=score_padding,
                 check=self._checks_on(input_ids),
                 join=self.join,
                 cost=self.cost,
             )
-            self._layouts.put(source, key, self.with_mask(layout))
+            self._layouts.put(source, key, self.with_attention(layout))
         return layout
 
     def _checks_on(self, tensor: torch.Tensor) -> bool:

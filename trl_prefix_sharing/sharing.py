@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
+from .attention import attention_dtype, choose_backend
 from .collator import PrefixSharingCollator
 from .config import warn_if_not_our_config
 from .distributed import release_distributed_wrappers, warn_if_fewer_processes_than_asked
@@ -257,11 +258,16 @@ class PrefixSharingMixin(_ArgumentsChecked, _PositionsLogged, _PatchedWhileRunni
         name = type(self).__name__
         reasons = [check_architecture(model.config, name, self._supports_vision) for model in models]
         self.model_check = StartupCheck(models, reasons, getattr(self.args, "prefix_sharing_model_check", "auto"))
+        backend = choose_backend(
+            models,
+            self.args.prefix_sharing_attn_implementation,
+            self.accelerator.device,
+            attention_dtype(models[0], self.accelerator.mixed_precision),
+        )
         self.sharing = PrefixSharingSession(
             models,
             self.processing_class,
-            self.args.prefix_sharing_attn_implementation,
-            self.accelerator.device,
+            backend,
             pad_to_multiple_of=getattr(self.args, "pad_to_multiple_of", None),
             fuse_lm_head=self._fuse_lm_head,
             checks=getattr(self.args, "prefix_sharing_checks", None),
