@@ -6,9 +6,10 @@ weights (gathered from the ZeRO-3 partitions) and how the parameters were partit
 
 `--runs` picks the runs: `dpo` (stock, then ours with sharing), `reward`, `kto` (with its KL term), `orpo`, `cpo`
 (`loss_type="sigmoid"`) (the same; ours with `prefix_sharing_score_padding=True`, so that every logged number is
-stock's), `dpo-packing` (ours with sharing and packing; its stock counterpart is
-`dpo-replay`, stock TRL on one process taking, step by step, the union of the packed batches of the 2 ranks as one
-ordinary batch: the plain mean over the same pairs)."""
+stock's), `dpo-varlen` (as `dpo`, ours with `prefix_sharing_attn_implementation="varlen"`: its reference on the CPU),
+`dpo-packing` (ours with sharing and packing; its stock counterpart is `dpo-replay`, stock TRL on one process taking,
+step by step, the union of the packed batches of the 2 ranks as one ordinary batch: the plain mean over the same
+pairs)."""
 
 import argparse
 import copy
@@ -181,11 +182,12 @@ def main():
     results = {}
     for run in args.runs.split(","):
         kind = run.split("-")[0]
-        if run in ("dpo", "reward", "kto", "orpo", "cpo"):
+        if run in ("dpo", "reward", "kto", "orpo", "cpo", "dpo-varlen"):
             # the start-up check too: the policy under ZeRO's hooks (stage 3: partitioned parameters), ranks agreeing
+            kernel = {"prefix_sharing_attn_implementation": "varlen"} if run.endswith("-varlen") else {}
             todo = [
                 ("stock", None, {}),
-                ("ours", {"prefix_sharing": True, "prefix_sharing_model_check": "always"}, {}),
+                ("ours", {"prefix_sharing": True, "prefix_sharing_model_check": "always", **kernel}, {}),
             ]
         elif run == "dpo-packing":
             todo = [

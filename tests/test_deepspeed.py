@@ -84,9 +84,9 @@ def _assert_partitioned(partitioning: dict, stage: int) -> None:
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_zero_two_processes_equal_stock(tmp_path, stage):
-    runs = "dpo,reward,dpo-packing" if stage == 3 else "dpo,reward"
+    runs = "dpo,reward,dpo-packing,dpo-varlen" if stage == 3 else "dpo,reward"
     ranks = _launch(tmp_path, stage, 2, runs)
-    for kind in ("dpo", "reward"):
+    for kind in ("dpo", "reward", "dpo-varlen") if stage == 3 else ("dpo", "reward"):  # varlen: its CPU reference
         stock, ours = ranks[0][f"{kind}/stock"], ranks[0][f"{kind}/ours"]
         _assert_same_run(tmp_path, f"{kind}-stock", f"{kind}-ours", stock["losses"], ours["losses"])
         for rank in ranks:

@@ -125,6 +125,8 @@ def test_packed_evaluation_on_two_processes_equals_one(tmp_path, kind):
 TIMINGS = ("runtime", "per_second", "step_time")
 #: the trainers `tests/deepspeed_train.py` trains like TRL's own classes in one launch, stock and shared
 STOCK_LIKE_KINDS = ("kto", "orpo", "cpo")
+#: the runs of the DDP launch: those, and DPO on the varlen kernel (its CPU reference)
+DDP_RUNS = (*STOCK_LIKE_KINDS, "dpo-varlen")
 
 
 def _numbers(log: dict) -> dict:
@@ -163,16 +165,16 @@ def assert_run_equals_stock(out: Path, ranks: list[dict], kind: str, min_per_lin
 
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory):
-    """One 2-process DDP launch (`tests/deepspeed_train.py` without DeepSpeed) training KTO, ORPO and CPO, stock
-    then shared, in the same processes: (its folder, what each rank wrote)."""
+    """One 2-process DDP launch (`tests/deepspeed_train.py` without DeepSpeed) training KTO, ORPO, CPO and DPO on the
+    varlen kernel, stock then shared, in the same processes: (its folder, what each rank wrote)."""
     out = tmp_path_factory.mktemp("ddp")
-    _torchrun("deepspeed_train.py", 2, "--out", out, "--runs", ",".join(STOCK_LIKE_KINDS), timeout=420)
+    _torchrun("deepspeed_train.py", 2, "--out", out, "--runs", ",".join(DDP_RUNS), timeout=420)
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("kind", STOCK_LIKE_KINDS)
+@pytest.mark.parametrize("kind", DDP_RUNS)
 def test_two_processes_equal_stock_in_the_same_launch(ddp_runs, kind):
-    """KTO (its KL term on: a batch statistic gathered across ranks), ORPO and CPO (`loss_type="sigmoid"`) under
-    2-process DDP (gloo): stock TRL and prefix sharing, trained one after the other in the same processes from the
-    same weights on the same batches, log the same numbers and reach the same weights."""
+    """KTO (its KL term on: a batch statistic gathered across ranks), ORPO and CPO (`loss_type="sigmoid"`), and DPO on
+    the varlen kernel, under 2-process DDP (gloo): stock TRL and prefix sharing, trained one after the other in the
+    same processes from the same weights on the same batches, log the same numbers and reach the same weights."""
     assert_run_equals_stock(*ddp_runs, kind)

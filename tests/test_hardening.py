@@ -243,8 +243,10 @@ def test_bf16_tolerance_catches_a_wrong_shared_forward(tmp_path, tokenizer, monk
         _assert_bf16_close(*_bf16_log_probs(tmp_path, tokenizer, "qwen3", awkward_text_dataset()))
 
 
-def test_qlora_4bit_matches_stock(tmp_path, tokenizer):
-    """4-bit QLoRA (bitsandbytes, NF4) with prefix sharing trains like stock TRL with the same adapters: log-probs,
+@pytest.mark.parametrize("kernel", ["sdpa", "varlen"])
+def test_qlora_4bit_matches_stock(tmp_path, tokenizer, kernel):
+    """4-bit QLoRA (bitsandbytes, NF4) with prefix sharing, on the dense mask and on the varlen kernel (its CPU
+    reference), trains like stock TRL with the same adapters: log-probs,
     loss and metrics to 1e-5. The adapters' gradients agree to bf16 round-off (relative 1e-2, about 4e-3 in norm
     here, 2**-8): bitsandbytes' CPU 4-bit backward is not fp32-exact, so rows of other shapes round differently
     (stock TRL against itself is bitwise equal; unquantized LoRA agrees to 1e-5, test_dpo_equivalence). The start-up
@@ -262,7 +264,8 @@ def test_qlora_4bit_matches_stock(tmp_path, tokenizer):
         r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"], lora_dropout=0.0
     )
     trainers = []
-    for ours in (None, {"prefix_sharing": True, "prefix_sharing_model_check": "always"}):
+    ours_fields = {"prefix_sharing": True, "prefix_sharing_model_check": "always"}
+    for ours in (None, {**ours_fields, "prefix_sharing_attn_implementation": kernel}):
         model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, dtype=torch.float32)
         cls = trl.DPOTrainer if ours is None else DPOTrainer
         trainers.append(

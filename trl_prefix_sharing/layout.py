@@ -46,9 +46,13 @@ shape.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+
+if TYPE_CHECKING:
+    from .attention import AttentionInputs
 
 
 __all__ = [
@@ -115,7 +119,7 @@ class Layout:
     subtree_end: torch.Tensor
     stock_index: torch.Tensor
     key_visible: torch.Tensor | None = None
-    attention: Any = None
+    attention: AttentionInputs | None = None
     check: bool = True
     vision: dict | None = None
     join: str = "prompts"
