@@ -1,7 +1,9 @@
 """Stock TRL vs prefix sharing vs packing vs both, on synthetic data shaped like the paper's six datasets.
 
     python scripts/benchmark.py --mode cpu --out docs/benchmarks      # ~10 minutes on 2 cores
-    python scripts/benchmark.py --mode gpu --out docs/benchmarks      # CUDA, bf16, FlexAttention, ~0.5B model
+    python scripts/benchmark.py --mode gpu --out docs/benchmarks      # CUDA, bf16, "auto" (varlen), ~0.5B model
+    python scripts/benchmark.py --mode cpu --extra-variants sharing-varlen,sharing+packing-varlen \
+        --out docs/benchmarks/varlen_cpu   # the varlen kernel (its CPU reference) beside the dense mask, ~15 minutes
     python scripts/benchmark.py --model smollm2 --kinds dpo --profiles HH-RLHF,TLDR,UltraFeedback --pairs 8 \
         --repeats 3 --length-scale 0.25 --out docs/benchmarks/smollm2   # a real model (below), ~15 minutes on 2 cores
 
@@ -631,7 +633,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for kind in args.kinds:
             model = build_model(kind, tokenizer, args)
-            numerics = "bf16, FlexAttention (prefix sharing) vs SDPA (stock)" if gpu else "fp32, SDPA"
+            numerics = "bf16, prefix sharing on the kernel `auto` takes vs SDPA (stock)" if gpu else "fp32, SDPA"
             if args.model == "tiny":
                 args.model_desc = (
                     f"{args.family}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {numerics}"
