@@ -58,6 +58,13 @@ ON_GPU = {"use_cpu": False, "gradient_checkpointing": True}
 CUDA_SIZES = {"hidden_size": 64}
 
 
+#: sliding-window models: every layer slides (varlen: `window_size=(5, 0)`), or full and sliding layers
+SLIDING = [
+    ("mistral", {"sliding_window": 6}),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
+]
+
+
 @pytest.fixture(autouse=True)
 def exact_fp32_and_fresh_compiles():
     """TF32 off (FlexAttention's kernels follow `allow_tf32` too), and each test starts from no compiled variants, as
@@ -96,6 +103,13 @@ def checkpoint_as_train_does(*trainers):
     return trainers
 
 
+def on_cuda(make, *args, gpu=ON_GPU, config_kwargs=None, **kwargs):
+    """`make(*args, ...)`'s stock and sharing trainers on CUDA (`gpu`: the arguments that put them there), the tiny
+    models at `CUDA_SIZES` (plus `config_kwargs`), checkpointing on as `train()` turns it on."""
+    config_kwargs = {**CUDA_SIZES, **(config_kwargs or {})}
+    return checkpoint_as_train_does(*make(*args, config_kwargs=config_kwargs, **gpu, **kwargs))
+
+
 def _check_flex_trainer(trainer):
     """Called after a step: FlexAttention chosen, checkpointing still on (TRL's reference pass switches it off and
     back), a head size CUDA FlexAttention accepts."""
@@ -120,17 +134,7 @@ def _ours(packing, **extra):
 @pytest.mark.parametrize("packing", [False, True], ids=["sharing", "sharing+packing"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_dpo_step_matches_stock(tmp_path, tokenizer, family, packing):
-    stock, shared = checkpoint_as_train_does(
-        *make_trainers(
-            tmp_path,
-            family,
-            awkward_text_dataset(),
-            tokenizer,
-            config_kwargs=CUDA_SIZES,
-            ours=_ours(packing),
-            **ON_GPU,
-        )
-    )
+    stock, shared = on_cuda(make_trainers, tmp_path, family, awkward_text_dataset(), tokenizer, ours=_ours(packing))
     _, result = compare_step(stock, shared, **FP32)
     _check_flex(shared, result["batch"])
     if packing:
@@ -142,16 +146,8 @@ def test_dpo_step_matches_stock(tmp_path, tokenizer, family, packing):
 @pytest.mark.parametrize("packing", [False, True], ids=["sharing", "sharing+packing"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_reward_step_matches_stock(tmp_path, tokenizer, family, packing):
-    stock, shared = checkpoint_as_train_does(
-        *make_reward_trainers(
-            tmp_path,
-            family,
-            awkward_text_dataset(),
-            tokenizer,
-            config_kwargs=CUDA_SIZES,
-            ours=_ours(packing),
-            **ON_GPU,
-        )
+    stock, shared = on_cuda(
+        make_reward_trainers, tmp_path, family, awkward_text_dataset(), tokenizer, ours=_ours(packing)
     )
     examples = list(stock.train_dataset)
     stock_result = reward_step(stock, examples)
@@ -165,18 +161,15 @@ def test_reward_step_matches_stock(tmp_path, tokenizer, family, packing):
 def test_ranked_reward_step_matches_stock_on_expanded_pairs(tmp_path, tokenizer, family, packing):
     ranked = ranked_dataset()
     pairs = expand_ranked_to_pairs(ranked)
-    stock, ours = checkpoint_as_train_does(
-        *make_reward_trainers(
-            tmp_path,
-            family,
-            ranked,
-            tokenizer,
-            stock_dataset=pairs,
-            ours=_ours(packing),
-            config_kwargs=CUDA_SIZES,
-            center_rewards_coefficient=0.1,
-            **ON_GPU,
-        )
+    stock, ours = on_cuda(
+        make_reward_trainers,
+        tmp_path,
+        family,
+        ranked,
+        tokenizer,
+        stock_dataset=pairs,
+        ours=_ours(packing),
+        center_rewards_coefficient=0.1,
     )
     stock_result = reward_step(stock, list(stock.train_dataset))
     ours_result = reward_step(ours, list(ours.train_dataset), pairs_in_window=len(pairs) if packing else None)
@@ -204,11 +197,7 @@ def test_dpo_trie_matches_stock(tmp_path, tokenizer, data, packing):
     into one tree per micro-batch (packed into one row with packing), equal to stock with fewer positions."""
     from test_trie_sharing import DATASETS
 
-    stock, shared = checkpoint_as_train_does(
-        *make_trainers(
-            tmp_path, "llama", DATASETS[data](), tokenizer, config_kwargs=CUDA_SIZES, ours=_ours(packing), **ON_GPU
-        )
-    )
+    stock, shared = on_cuda(make_trainers, tmp_path, "llama", DATASETS[data](), tokenizer, ours=_ours(packing))
     examples = list(stock.train_dataset)
     expected, got = step(stock, examples), step(shared, examples)
     assert_same_step(expected, got, **FP32)
@@ -219,11 +208,7 @@ def test_dpo_trie_matches_stock(tmp_path, tokenizer, data, packing):
 def test_reward_trie_matches_stock(tmp_path, tokenizer):
     from test_trie_sharing import all_pairs_dataset
 
-    stock, shared = checkpoint_as_train_does(
-        *make_reward_trainers(
-            tmp_path, "qwen3", all_pairs_dataset(), tokenizer, config_kwargs=CUDA_SIZES, ours=_ours(False), **ON_GPU
-        )
-    )
+    stock, shared = on_cuda(make_reward_trainers, tmp_path, "qwen3", all_pairs_dataset(), tokenizer, ours=_ours(False))
     examples = list(stock.train_dataset)
     expected, got = reward_step(stock, examples), reward_step(shared, examples)
     _check_flex(shared, got["batch"])
@@ -238,16 +223,13 @@ def test_kto_step_matches_stock(tmp_path, tokenizer, monkeypatch, family, merge)
     from test_kto_equivalence import kto_step, unpaired_dataset
     from test_kto_equivalence import make_trainers as make_kto_trainers
 
-    stock, shared = checkpoint_as_train_does(
-        *make_kto_trainers(
-            tmp_path,
-            tokenizer,
-            unpaired_dataset(),
-            family=family,
-            ours={"prefix_sharing_merge_kl": merge},
-            config_kwargs=CUDA_SIZES,
-            **ON_GPU,
-        )
+    stock, shared = on_cuda(
+        make_kto_trainers,
+        tmp_path,
+        tokenizer,
+        unpaired_dataset(),
+        family=family,
+        ours={"prefix_sharing_merge_kl": merge},
     )
     for start in (0, 4):  # the first two batches, each with desirable and undesirable rows and their KL rows
         examples = [shared.train_dataset[i] for i in range(start, start + 4)]
@@ -268,11 +250,7 @@ def test_orpo_cpo_step_matches_stock(tmp_path, tokenizer, monkeypatch, family, s
 
     kind, options = SETTINGS[setting]
     dataset = awkward_text_dataset()
-    stock, shared = checkpoint_as_train_does(
-        *make_orpo_cpo_trainers(
-            tmp_path, kind, tokenizer, dataset, family=family, config_kwargs=CUDA_SIZES, **options, **ON_GPU
-        )
-    )
+    stock, shared = on_cuda(make_orpo_cpo_trainers, tmp_path, kind, tokenizer, dataset, family=family, **options)
     examples = [shared.train_dataset[i] for i in range(len(dataset))]
     expected = loss_and_grads(stock, examples)
     with CompileWatch(monkeypatch) as watch:
@@ -289,11 +267,7 @@ def test_dpo_join_always_matches_stock(tmp_path, tokenizer, packing):
     from test_join import system_prompt_pairs
 
     ours = _ours(packing, prefix_sharing_join="always")
-    stock, shared = checkpoint_as_train_does(
-        *make_trainers(
-            tmp_path, "qwen3", system_prompt_pairs(), tokenizer, config_kwargs=CUDA_SIZES, ours=ours, **ON_GPU
-        )
-    )
+    stock, shared = on_cuda(make_trainers, tmp_path, "qwen3", system_prompt_pairs(), tokenizer, ours=ours)
     examples = list(stock.train_dataset)
     expected, got = step(stock, examples), step(shared, examples)
     assert_same_step(expected, got, **FP32)
@@ -317,16 +291,8 @@ def test_sft_step_matches_stock(tmp_path, tokenizer, monkeypatch, family, data, 
     gradient equal stock's, with fewer positions than stock's padded rows."""
     from test_sft_equivalence import DATASETS, make_sft_trainers, sft_step
 
-    stock, shared = checkpoint_as_train_does(
-        *make_sft_trainers(
-            tmp_path,
-            tokenizer,
-            DATASETS[data](),
-            family=family,
-            ours={"prefix_sharing_join": join},
-            config_kwargs=CUDA_SIZES,
-            **ON_GPU,
-        )
+    stock, shared = on_cuda(
+        make_sft_trainers, tmp_path, tokenizer, DATASETS[data](), family=family, ours={"prefix_sharing_join": join}
     )
     examples = [stock.train_dataset[i] for i in range(len(stock.train_dataset))]
     expected = sft_step(stock, examples)
@@ -346,18 +312,16 @@ def test_sft_step_matches_stock(tmp_path, tokenizer, monkeypatch, family, data, 
 def test_bf16_log_probs_within_bf16_tolerance(tmp_path, tokenizer, family):
     model = make_model(family, len(tokenizer), **CUDA_SIZES).to(torch.bfloat16)
     ref = make_model(family, len(tokenizer), seed=1, **CUDA_SIZES).to(torch.bfloat16)
-    stock, shared = checkpoint_as_train_does(
-        *make_trainers(
-            tmp_path,
-            family,
-            awkward_text_dataset(),
-            tokenizer,
-            model=model,
-            ref_model=ref,
-            bf16=True,
-            ours=_ours(False, prefix_sharing_attn_implementation="flex_attention"),  # "auto" takes varlen in bf16
-            **ON_GPU,
-        )
+    stock, shared = on_cuda(
+        make_trainers,
+        tmp_path,
+        family,
+        awkward_text_dataset(),
+        tokenizer,
+        model=model,
+        ref_model=ref,
+        bf16=True,
+        ours=_ours(False, prefix_sharing_attn_implementation="flex_attention"),  # "auto" takes varlen in bf16
     )
     examples = list(stock.train_dataset)
     stock_result, shared_result = step(stock, examples), step(shared, examples)
@@ -385,27 +349,16 @@ def test_bf16_autocast_passes_run_in_stocks_dtype(tmp_path, tokenizer, monkeypat
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["sharing", "sharing+packing"])
-@pytest.mark.parametrize(
-    "family,config_kwargs",
-    [
-        ("mistral", {"sliding_window": 6}),  # every layer slides
-        (
-            "qwen3",
-            {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
-        ),  # full and sliding layers
-    ],
-)
+@pytest.mark.parametrize("family,config_kwargs", SLIDING)
 def test_sliding_window_matches_stock(tmp_path, tokenizer, family, config_kwargs, packing):
-    stock, shared = checkpoint_as_train_does(
-        *make_trainers(
-            tmp_path,
-            family,
-            awkward_text_dataset(),
-            tokenizer,
-            config_kwargs={**CUDA_SIZES, **config_kwargs},
-            ours=_ours(packing),
-            **ON_GPU,
-        )
+    stock, shared = on_cuda(
+        make_trainers,
+        tmp_path,
+        family,
+        awkward_text_dataset(),
+        tokenizer,
+        config_kwargs=config_kwargs,
+        ours=_ours(packing),
     )
     _, result = compare_step(stock, shared, **FP32)
     _check_flex(shared, result["batch"])
@@ -418,18 +371,16 @@ def test_dpo_lora_matches_stock(tmp_path, tokenizer, kernel):
 
     varlen = kernel == "varlen"
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
-    stock, shared = checkpoint_as_train_does(
-        *make_trainers(
-            tmp_path,
-            "llama",
-            awkward_text_dataset(),
-            tokenizer,
-            ref_model=None,
-            peft_config=lora,
-            config_kwargs=CUDA_SIZES,
-            ours=_ours(False, prefix_sharing_attn_implementation=kernel),
-            **(VARLEN_ON_GPU if varlen else ON_GPU),
-        )
+    stock, shared = on_cuda(
+        make_trainers,
+        tmp_path,
+        "llama",
+        awkward_text_dataset(),
+        tokenizer,
+        ref_model=None,
+        peft_config=lora,
+        ours=_ours(False, prefix_sharing_attn_implementation=kernel),
+        gpu=VARLEN_ON_GPU if varlen else ON_GPU,
     )
     for trainer in (stock, shared):  # adapters away from zero: the policy differs from the reference (adapters off)
         torch.manual_seed(7)
@@ -451,10 +402,8 @@ def test_reward_lora_matches_stock(tmp_path, tokenizer):
     from peft import LoraConfig
 
     lora = LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    stock, shared = checkpoint_as_train_does(
-        *make_reward_trainers(
-            tmp_path, "qwen2", awkward_text_dataset(), tokenizer, peft_config=lora, config_kwargs=CUDA_SIZES, **ON_GPU
-        )
+    stock, shared = on_cuda(
+        make_reward_trainers, tmp_path, "qwen2", awkward_text_dataset(), tokenizer, peft_config=lora
     )
     examples = list(stock.train_dataset)
     stock_result, shared_result = reward_step(stock, examples), reward_step(shared, examples)
@@ -478,11 +427,7 @@ def test_compiles_a_bounded_number_of_times_over_training_and_evaluation(
     tmp_path, tokenizer, monkeypatch, record_property
 ):
     train, evaluation = cuda_schedule_data()  # two 128-token width buckets; 4, 2 and 1 rows
-    stock, shared = checkpoint_as_train_does(
-        *make_trainers(
-            tmp_path, "llama", train, tokenizer, eval_dataset=evaluation, config_kwargs=CUDA_SIZES, **ON_GPU
-        )
-    )
+    stock, shared = on_cuda(make_trainers, tmp_path, "llama", train, tokenizer, eval_dataset=evaluation)
     for trainer in (stock, shared):
         trainer.ref_model.eval()  # as `from_pretrained` leaves it: every step switches FlexAttention's training flag
     datasets = {
@@ -534,16 +479,14 @@ def test_long_row_step_does_not_materialise_the_score_matrix(tmp_path, tokenizer
     eager FlexAttention (or a dense mask) would hold `rows x heads x S x S` scores, 1 GiB per layer here in fp32."""
     length, heads = 8192, 4
     dataset = synthetic_pairs(4, (1800, 1900), (20, 60), seed=9)
-    stock, shared = checkpoint_as_train_does(
-        *make_trainers(
-            tmp_path,
-            "qwen3",
-            dataset,
-            tokenizer,
-            **ON_GPU,
-            config_kwargs={**CUDA_SIZES, "max_position_embeddings": 2 * length},
-            ours={"prefix_sharing": True, "packing": True, "packing_length": length},
-        )
+    stock, shared = on_cuda(
+        make_trainers,
+        tmp_path,
+        "qwen3",
+        dataset,
+        tokenizer,
+        config_kwargs={"max_position_embeddings": 2 * length},
+        ours={"prefix_sharing": True, "packing": True, "packing_length": length},
     )
     shared.ref_model.eval()
     examples = list(shared.train_dataset)
@@ -648,16 +591,8 @@ def _assert_bf16_close(expected: dict, got: dict, keys=("chosen", "rejected", "l
 def test_varlen_dpo_step_matches_stock_in_bf16(tmp_path, tokenizer, family, packing):
     """`"auto"` in bf16 takes varlen: DPO's log-probs, loss and gradients are stock bf16's to bf16 round-off, with no
     padding in the row (packing: a token budget, not a padded row)."""
-    stock, shared = checkpoint_as_train_does(
-        *make_trainers(
-            tmp_path,
-            family,
-            awkward_text_dataset(),
-            tokenizer,
-            config_kwargs=CUDA_SIZES,
-            ours={**_ours(packing)},  # "auto"
-            **VARLEN_ON_GPU,
-        )
+    stock, shared = on_cuda(
+        make_trainers, tmp_path, family, awkward_text_dataset(), tokenizer, ours=_ours(packing), gpu=VARLEN_ON_GPU
     )
     examples = list(stock.train_dataset)
     expected, got = step(stock, examples), step(shared, examples)
@@ -670,17 +605,15 @@ def test_varlen_dpo_step_matches_stock_in_bf16(tmp_path, tokenizer, family, pack
 def test_varlen_reward_step_matches_stock_in_bf16(tmp_path, tokenizer, data):
     ranked = data == "ranked"
     dataset = ranked_dataset() if ranked else awkward_text_dataset()
-    stock, shared = checkpoint_as_train_does(
-        *make_reward_trainers(
-            tmp_path,
-            "qwen2",
-            dataset,
-            tokenizer,
-            stock_dataset=expand_ranked_to_pairs(dataset) if ranked else None,
-            config_kwargs=CUDA_SIZES,
-            ours=_varlen(),
-            **VARLEN_ON_GPU,
-        )
+    stock, shared = on_cuda(
+        make_reward_trainers,
+        tmp_path,
+        "qwen2",
+        dataset,
+        tokenizer,
+        stock_dataset=expand_ranked_to_pairs(dataset) if ranked else None,
+        ours=_varlen(),
+        gpu=VARLEN_ON_GPU,
     )
     expected, got = reward_step(stock, list(stock.train_dataset)), reward_step(shared, list(shared.train_dataset))
     _check_varlen(shared, got["batch"])
@@ -692,16 +625,14 @@ def test_varlen_reward_step_matches_stock_in_bf16(tmp_path, tokenizer, data):
 def test_varlen_trie_and_join_match_stock_in_bf16(tmp_path, tokenizer, data):
     from test_trie_sharing import DATASETS
 
-    stock, shared = checkpoint_as_train_does(
-        *make_trainers(
-            tmp_path,
-            "qwen3",
-            DATASETS[data](),
-            tokenizer,
-            config_kwargs=CUDA_SIZES,
-            ours=_varlen(prefix_sharing_join="always"),
-            **VARLEN_ON_GPU,
-        )
+    stock, shared = on_cuda(
+        make_trainers,
+        tmp_path,
+        "qwen3",
+        DATASETS[data](),
+        tokenizer,
+        ours=_varlen(prefix_sharing_join="always"),
+        gpu=VARLEN_ON_GPU,
     )
     examples = list(stock.train_dataset)
     expected, got = step(stock, examples), step(shared, examples)
@@ -710,24 +641,17 @@ def test_varlen_trie_and_join_match_stock_in_bf16(tmp_path, tokenizer, data):
     assert positions(got["batch"]) < int(expected["batch"]["attention_mask"].sum())
 
 
-@pytest.mark.parametrize(
-    "family,config_kwargs",
-    [
-        ("mistral", {"sliding_window": 6}),  # every layer slides: `window_size=(5, 0)`
-        ("qwen3", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),  # full and sliding
-    ],
-)
+@pytest.mark.parametrize("family,config_kwargs", SLIDING)
 def test_varlen_sliding_window_matches_stock_in_bf16(tmp_path, tokenizer, family, config_kwargs):
-    stock, shared = checkpoint_as_train_does(
-        *make_trainers(
-            tmp_path,
-            family,
-            awkward_text_dataset(),
-            tokenizer,
-            config_kwargs={**CUDA_SIZES, **config_kwargs},
-            ours=_varlen(),
-            **VARLEN_ON_GPU,
-        )
+    stock, shared = on_cuda(
+        make_trainers,
+        tmp_path,
+        family,
+        awkward_text_dataset(),
+        tokenizer,
+        config_kwargs=config_kwargs,
+        ours=_varlen(),
+        gpu=VARLEN_ON_GPU,
     )
     examples = list(stock.train_dataset)
     expected, got = step(stock, examples), step(shared, examples)
