@@ -291,18 +291,26 @@ def test_logged_recompiles_are_counted_per_function(tmp_path):
 # ------------------------------------------------------------------------------------------------- tests/test_cuda.py
 def test_cuda_test_models_have_a_head_size_cuda_flex_attention_accepts():
     """CUDA FlexAttention (torch 2.11) refuses head sizes under 16; every model tests/test_cuda.py builds gets
-    `CUDA_SIZES` (or is built from it and passed in)."""
+    `CUDA_SIZES` (or is built from it and passed in), directly or through `on_cuda`, which adds it."""
+    from test_cuda import on_cuda
+
     for family in FAMILIES:
         assert head_size(make_config(family, 100, **CUDA_SIZES)) >= 16, family
     assert head_size(make_config("qwen3", 100, **CUDA_SIZES, use_sliding_window=True, sliding_window=6)) >= 16
+    seen = {}
+    on_cuda(lambda *args, **kwargs: seen.update(kwargs) or (), config_kwargs={"sliding_window": 6})
+    assert seen["config_kwargs"] == {**CUDA_SIZES, "sliding_window": 6}
     builders = {"make_trainers", "make_reward_trainers", "make_model", "save_model", "make_online_dpo_trainers"}
-    calls = 0
+    direct = through_on_cuda = 0
     for node in ast.walk(ast.parse((ROOT / "tests/test_cuda.py").read_text())):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in builders:
-            calls += 1
+        name = getattr(node.func, "id", None) if isinstance(node, ast.Call) else None
+        if name in builders:
+            direct += 1
             text = ast.unparse(node)
             assert "CUDA_SIZES" in text or "model=model" in text, text
-    assert calls >= 13  # every builder call in the file (13 today)
+        elif name == "on_cuda":
+            through_on_cuda += 1
+    assert direct >= 8 and through_on_cuda >= 19  # every builder call in the file (8 and 19 today)
 
 
 def test_checkpointing_is_on_where_the_cuda_tests_assert_it(tmp_path, tokenizer):
