@@ -15,7 +15,11 @@ Profiles (token lengths; every word of the synthetic texts is one token of the t
 Per trainer and profile, one micro-batch (DPO: 4 pairs; GRPO: 4 prompts x 4 generations, the prompts of one length,
 since GRPO scores left-padded rows whose positions count the padding, so only prompts of one padded length put a
 shared start at the same positions; SFT: 2 prompts x 4 completions, as rejection-sampling and best-of-n data have).
-Each variant runs the trainer's own loss and backward on the same micro-batch (DPO and SFT: collation with the layout,
+Variants: stock TRL; the fixed choices `"prompts"` and `"always"` on the dense mask (SDPA), and `"varlen"` (the varlen
+kernel, its reference on the CPU, with the join its multiply-add count prefers); and `"auto"` for both options, which
+measures every candidate (the kernels that can run, and stock's own rows) in its first step and then runs each
+micro-batch on the one of least predicted time (`trl_prefix_sharing.tuning`). Each variant runs the trainer's own loss
+and backward on the same micro-batch (DPO and SFT: collation with the layout,
 then the trainer's passes, DPO's reference pass included; GRPO: the training forward on the generated rows, layout
 included), warm-up first, then the variants' timed steps interleaved; the median is reported. Also reported: the
 positions each runs (its rows x width, padding included), the join `"auto"` chose, and the cost model's estimate
@@ -40,7 +44,15 @@ import warnings
 
 #: shared tokens, question tokens, answer tokens
 PROFILES = {"tool-calling": (2048, 40, 160), "rag": (1536, 30, 100), "chat-header": (32, 100, 400)}
-VARIANTS = ["stock", "prompts", "always", "auto"]
+VARIANTS = ["stock", "prompts", "always", "varlen", "auto"]
+#: the fixed choices' options: the join rules on the dense mask (SDPA), and the varlen kernel (its reference on the
+#: CPU) with the join chosen by the multiply-add count; `"auto"` measures every candidate, stock's rows included
+FIXED = {
+    "prompts": {"prefix_sharing_join": "prompts", "prefix_sharing_attn_implementation": "sdpa"},
+    "always": {"prefix_sharing_join": "always", "prefix_sharing_attn_implementation": "sdpa"},
+    "varlen": {"prefix_sharing_join": "auto", "prefix_sharing_attn_implementation": "varlen"},
+    "auto": {"prefix_sharing_join": "auto", "prefix_sharing_attn_implementation": "auto"},
+}
 TRAINERS = ("dpo", "grpo", "sft")
 #: trainers whose collator builds the layout (the rest build it in the step)
 COLLATED = ("dpo", "sft")
@@ -147,7 +159,7 @@ def make_trainer(trainer, variant, model, tokenizer, dataset, batch, tmp):
         gradient_checkpointing=False,
     )
     if variant != "stock":
-        common.update(prefix_sharing=True, prefix_sharing_join=variant)
+        common.update(prefix_sharing=True, **FIXED[variant])
     if trainer == "sft":
         config, cls = (trl.SFTConfig, trl.SFTTrainer) if variant == "stock" else (ours.SFTConfig, ours.SFTTrainer)
         return cls(
@@ -253,7 +265,7 @@ def run(trainer_name, profile, model, tokenizer, args, tmp):
     for repeat in range(args.repeats):
         order = VARIANTS[repeat % len(VARIANTS) :] + VARIANTS[: repeat % len(VARIANTS)]
         for variant in order:
-            h, m, _ = step(trainers[variant], inputs[variant])
+            h, m, made[variant] = step(trainers[variant], inputs[variant])  # the last step's layout is reported
             host[variant].append(h)
             model_time[variant].append(m)
     results = {}
@@ -262,12 +274,14 @@ def run(trainer_name, profile, model, tokenizer, args, tmp):
         if variant != "stock":
             trainer.sharing.attach()
         layout, (num_rows, width) = layout_of(trainer_name, trainer, variant, made[variant])
-        pairs_seen = visible_pairs(layout) if layout is not None else num_rows * width * (width + 1) // 2
+        shared = layout is not None and not layout.is_stock  # `"auto"` may run stock's own rows
+        pairs_seen = visible_pairs(layout) if shared else num_rows * width * (width + 1) // 2
         results[variant] = {
             "rows": num_rows,
             "width": width,
             "positions": num_rows * width,
             "join": layout.join if layout is not None else None,
+            "kernel": (layout.kernel or trainer.sharing.backend.name) if layout is not None else None,
             "visible_pairs": pairs_seen,
             "estimate": cost.estimate(num_rows, width, pairs_seen),
             # FlexAttention (not run here): the visible pairs only; stock as a causal kernel runs it, half its rows'
@@ -306,15 +320,16 @@ def write(all_results, args, command, device):
         "Predicted, FlexAttention: the same model's estimate for a block-sparse kernel (the visible pairs only; stock "
         "as a causal kernel runs it, half of each row's pairs), not measured here: a GPU run measures it.",
         "",
-        "| trainer | profile | variant | join laid out | rows x width | positions | estimate (GMAC) | predicted | "
-        "step (s) | host (s) | measured | predicted, FlexAttention |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| trainer | profile | variant | join laid out | kernel | rows x width | positions | estimate (GMAC) | "
+        "predicted | step (s) | host (s) | measured | predicted, FlexAttention |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (trainer, profile), results in all_results.items():
         for variant in VARIANTS:
             r = results[variant]
             lines.append(
-                f"| {trainer.upper()} | {profile} | {variant} | {r['join'] or '-'} | {r['rows']} x {r['width']} | "
+                f"| {trainer.upper()} | {profile} | {variant} | {r['join'] or '-'} | {r['kernel'] or '-'} | "
+                f"{r['rows']} x {r['width']} | "
                 f"{r['positions']:,} | {r['estimate'] / 1e9:.2f} | {r['predicted_speedup']:.2f}x | "
                 f"{r['step_s']:.3f} | {r['host_s']:.3f} | {r['measured_speedup']:.2f}x | "
                 f"{r['predicted_flex_speedup']:.2f}x |"

@@ -631,7 +631,9 @@ def bench_variant(kind, variant, model, tokenizer, dataset, settings, clock, tmp
         "mask_gpu_ms_per_step": 1000 * mask_gpu / timed_steps if mask_gpu is not None else None,
         "masks_per_step": clock.mask_calls / timed_steps if clock.mask_calls else 0,
         "warmup_s": round(warmup_s, 2),
-        "attn_implementation": trainer.sharing.attn_implementation if getattr(trainer, "sharing", None) else "sdpa",
+        "attn_implementation": trainer.sharing.backend.name if getattr(trainer, "sharing", None) else "sdpa",
+        # `"auto"`: what it measured at start-up and chose (`trl_prefix_sharing.tuning`), None for a fixed kernel
+        "auto_measured": trainer.sharing.tuning.summary if getattr(trainer, "sharing", None) else None,
         "compiled_variants": compiled_variants(),
         "profile": profile,
         **monitor,
@@ -864,7 +866,8 @@ def bench_grpo(profile, model, tokenizer, settings, clock, tmp, g=8) -> dict:
             "mask_gpu_ms_per_step": (
                 1000 * statistics.median(h[2] for h in sharing_host) if sharing_host[0][2] is not None else None
             ),
-            "attn_implementation": trainers["sharing"].sharing.attn_implementation,
+            "attn_implementation": trainers["sharing"].sharing.backend.name,
+            "auto_measured": trainers["sharing"].sharing.tuning.summary,
             "compiled_variants": compiled_variants(),
             **monitor,
         }

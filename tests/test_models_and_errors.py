@@ -88,6 +88,7 @@ def test_flex_attention_through_the_model_matches_stock(tmp_path, tokenizer, fam
 
     stock, shared = make_trainers(tmp_path, family, awkward_text_dataset(), tokenizer, config_kwargs=config_kwargs)
     shared.sharing.backend = BACKENDS["flex_attention"]
+    shared.data_collator.tuning = None  # the session's one backend lays out every batch
     shared.model.set_attn_implementation("flex_attention")
     examples = [stock.train_dataset[i] for i in range(len(stock.train_dataset))]
     results = []

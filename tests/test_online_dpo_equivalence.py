@@ -172,7 +172,7 @@ def test_generation_runs_on_the_models_own_attention(tmp_path, tokenizer, monkey
         seen.clear()
         runs.append(train(trainer))
         assert len(seen) == 2 and set(seen) == {"eager"}, seen
-    assert shared.sharing.attn_implementation == "sdpa"
+    assert shared.sharing.backend.name == "sdpa"
     assert shared.model.config._attn_implementation == "eager"  # as TRL left it, after `train()`
     assert_same_runs(*runs)
     shared.remove_prefix_sharing()

@@ -54,6 +54,7 @@ __all__ = [
     "BACKENDS",
     "attention_dtype",
     "choose_backend",
+    "auto_backends",
     "AttentionSwitch",
     "GENERATION_METHODS",
 ]
@@ -326,8 +327,23 @@ def attention_dtype(model, mixed_precision: str | None = None) -> torch.dtype:
 
 
 def _auto_candidates(device) -> tuple[str, ...]:
-    """What `"auto"` tries, in order, on a device."""
-    return ("varlen", "flex_attention", "sdpa") if torch.device(device).type == "cuda" else ("sdpa",)
+    """What `"auto"` tries, in order of preference, on a device (off CUDA varlen is its reference implementation,
+    which the measured choice may still find faster than the dense mask)."""
+    return ("varlen", "flex_attention", "sdpa") if torch.device(device).type == "cuda" else ("sdpa", "varlen")
+
+
+def auto_backends(models, device, dtype: torch.dtype) -> list[AttentionBackend]:
+    """Every backend `"auto"` may run these models on here, in order of preference: each of `_auto_candidates` that
+    can run (`unavailable`), as the model class supports it (`_supported`), once each. A backend that cannot run is
+    never a candidate."""
+    found = []
+    for name in _auto_candidates(device):
+        if BACKENDS[name].unavailable(models, torch.device(device), dtype) is not None:
+            continue
+        choices = {_supported(BACKENDS[name], model).name for model in models}
+        if len(choices) == 1 and BACKENDS[choices.pop()] not in found:
+            found.append(_supported(BACKENDS[name], models[0]))
+    return found
 
 
 def choose_backend(models, requested: str, device, dtype: torch.dtype):
@@ -413,6 +429,16 @@ class AttentionSwitch:
                 for name in GENERATION_METHODS:
                     if callable(getattr(model, name, None)):
                         _generate_with(model, name, current)
+
+    def use(self, model, attn_implementation: str | None) -> None:
+        """Switch a model this switch applied to `attn_implementation` (None: the model's own) for the calls that
+        follow; it stays until the next switch (a backward's recomputation under gradient checkpointing reads it)."""
+        for saved, own in self._saved:
+            if saved is model:
+                wanted = own if attn_implementation is None else attn_implementation
+                if wanted is not None and model.config._attn_implementation != wanted:
+                    model.set_attn_implementation(wanted)
+                return
 
     def restore(self) -> None:
         for model, old in reversed(self._saved):

@@ -36,6 +36,8 @@ class PrefixSharingCollator:
             tell which image it is).
         join: how rows that start alike join one document (`layout.JOINS`).
         cost: the step's cost model (`cost.StepCost`), by which `join="auto"` chooses.
+        tuning: the session's candidates and measured costs (`tuning.Tuning`), where `"auto"` chooses the kernel
+            or stock's own rows per batch (`rows` and `cost` are then unused), else None.
         examples_of, prompts_of: `f(batch)`: the example of each stock row, and each row's prompt tokens (None: the
             common start of each example's rows). Default: a preference batch's (`examples.py`); SFT's rows are
             examples of their own, their prompts the tokens before the first trained label (`sft_trainer.py`).
@@ -52,6 +54,7 @@ class PrefixSharingCollator:
         cost=None,
         examples_of=example_ids,
         prompts_of=prompt_lengths,
+        tuning=None,
     ):
         self.base_collator = base_collator
         self.pad_token_id = pad_token_id
@@ -60,6 +63,7 @@ class PrefixSharingCollator:
         self.across_examples = across_examples
         self.join = join
         self.cost = cost
+        self.tuning = tuning
         self.examples_of, self.prompts_of = examples_of, prompts_of
 
     def plans(self, batch) -> list[LayoutPlan]:
@@ -88,6 +92,7 @@ class PrefixSharingCollator:
             pad_token_id=self.pad_token_id,
             plan=self.plans(batch),
             cost=self.cost,
+            tuning=self.tuning,
         )
         return batch
 
@@ -104,7 +109,7 @@ class PrefixSharingCollator:
         """This collator with unpacked `rows` (default one document per row), for fixed-size batches (e.g. TRL's
         precomputation of the reference log-probs under packing)."""
         clone = copy.copy(self)
-        clone.rows = rows or RowPolicy()
+        clone.rows, clone.tuning = rows or RowPolicy(), None
         return clone
 
 

@@ -36,7 +36,9 @@ _SHARING_DOC = """
         rows that share a start, whichever examples they come from, so a system prompt, tool schemas, a document or
         few-shot examples that several examples begin with are computed once. `"auto"`: per micro-batch, whichever of
         the two layouts has the lower estimated cost for the attention kernel in use (a dense kernel pays for every
-        query-key pair of a longer row; FlexAttention only for the visible ones). Every mode computes stock's numbers.
+        query-key pair of a longer row; FlexAttention only for the visible ones); with
+        `prefix_sharing_attn_implementation="auto"` too, stock's own rows are a candidate as well, so a micro-batch
+        that sharing would slow down runs as stock TRL runs it. Every mode computes stock's numbers.
         A shared start counts only where stock puts it at the same positions: right-padded rows (DPO, reward, KTO,
         ORPO, CPO) start at position 0; left-padded generated rows (GRPO, RLOO, online DPO) share a start with prompts
         of the same padded length only.
@@ -57,10 +59,15 @@ _SHARING_DOC = """
         FlashAttention-2 varlen kernel (CUDA, Ampere or newer, bfloat16/float16; elsewhere the same segments run
         through a reference implementation, each through SDPA). `"flex_attention"`: the prefix-sharing mask as a
         block-sparse FlexAttention `BlockMask` (CUDA). `"sdpa"`: the same mask, dense, through
-        `scaled_dot_product_attention` (any device). `"auto"`: on CUDA the first of varlen, FlexAttention and SDPA
-        that can run, SDPA elsewhere; the start-up log says which and why. An explicit kernel that cannot run is an
-        error naming why. The trainer switches the attention implementation of the models it holds for the length of
-        `train()`/`evaluate()` (varlen registers `"prefix_sharing_varlen"` with transformers' `AttentionInterface`);
+        `scaled_dot_product_attention` (any device). `"auto"`: measured on the device: at the first micro-batch every
+        kernel that can run here (on CUDA varlen, FlexAttention and SDPA; elsewhere SDPA and varlen's reference) and,
+        with `prefix_sharing_join="auto"`, stock's own rows run a timed forward and backward (on the whole
+        micro-batch and on half of it), and every later micro-batch runs on the candidate of least predicted time
+        (a fixed cost per forward plus a cost per multiply-add, fitted per candidate); the start-up log says what was
+        measured and chosen. With packing, or a vision-language model, `"auto"` takes the first of those kernels that
+        can run. An explicit kernel that cannot run is an error naming why, and is never replaced. The trainer
+        switches the attention implementation of the models it holds for the length of `train()`/`evaluate()`
+        (varlen registers `"prefix_sharing_varlen"` with transformers' `AttentionInterface`);
         saved configs never name it. Under FlexAttention the shared rows' width is rounded up to a multiple of 128
         (its block size) unless `pad_to_multiple_of` is set (`1`: no rounding), so its compiled kernels see few
         distinct shapes; varlen's one row is never padded.
@@ -112,8 +119,8 @@ class PrefixSharingArguments:
         metadata={
             "help": "Which rows that start alike share one sequence: 'prompts' (rows sharing a whole prompt), "
             "'always' (any common start, e.g. a system prompt or tool schemas across examples) or 'auto' (per "
-            "micro-batch, the layout with the lower estimated cost for the attention kernel). Every mode computes "
-            "stock's numbers.",
+            "micro-batch, the layout with the lower estimated cost; with an 'auto' kernel too, stock's own rows "
+            "are a candidate). Every mode computes stock's numbers.",
             "choices": list(JOINS),
         },
     )
@@ -122,8 +129,8 @@ class PrefixSharingArguments:
         metadata={
             "help": "Attention kernel of the shared rows: 'varlen' (one unpadded row, each trie branch attending to "
             "its path's gathered keys; FlashAttention-2 varlen on CUDA in bf16/fp16, a reference elsewhere), "
-            "'flex_attention' (block-sparse mask, CUDA), 'sdpa' (dense mask, any device) or 'auto' (the first of "
-            "varlen, FlexAttention, SDPA that can run on CUDA; SDPA elsewhere).",
+            "'flex_attention' (block-sparse mask, CUDA), 'sdpa' (dense mask, any device) or 'auto' (per "
+            "micro-batch, the kernel, or stock's own rows, of least time measured at start-up on this device).",
             "choices": list(ATTN_IMPLEMENTATIONS),
         },
     )

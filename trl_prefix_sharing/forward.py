@@ -271,7 +271,7 @@ def _is_sequence_classifier(model) -> bool:
     return True
 
 
-def install_prefix_sharing_forward(model, autocast=None, route=None) -> None:
+def install_prefix_sharing_forward(model, autocast=None, route=None, switch=None) -> None:
     """Wrap `model.forward` to accept a `prefix_sharing` layout: for a causal LM, the forward TRL's
     `add_fused_lm_head` patched (used with `fused_lm_head=True`; without it, the logits of the model's own forward,
     see `_shared_logits_forward`); for a sequence classifier, its own forward.
@@ -282,6 +282,9 @@ def install_prefix_sharing_forward(model, autocast=None, route=None) -> None:
     `route`: for a trainer whose TRL code calls the model without a layout (KTO): `route(model, kwargs)` is asked
     about every fused call (`fused_lm_head=True`) that has none, and returns the layout of the stock rows the call
     holds, or a finished output, or None (the call runs as stock).
+    `switch`: `switch(model, layout)` before every call with a layout: the attention implementation the layout was
+    laid out for (a session that chooses the kernel per micro-batch). A layout of stock's own rows
+    (`Layout.is_stock`) runs the model's own forward on the call as it is.
     Scoped to this model instance and idempotent; undone by `remove_prefix_sharing_forward`.
     """
     if is_patched(model, _ORIGINAL):
@@ -307,6 +310,10 @@ def install_prefix_sharing_forward(model, autocast=None, route=None) -> None:
             if isinstance(prefix_sharing, ModelOutput):
                 return prefix_sharing  # an output the route already computed (rows computed with other rows)
         if prefix_sharing is None:
+            return original_forward(*args, **kwargs)
+        if switch is not None:
+            switch(self, prefix_sharing)
+        if prefix_sharing.is_stock:
             return original_forward(*args, **kwargs)
         if args:
             raise TypeError("The prefix-shared forward takes keyword arguments only.")

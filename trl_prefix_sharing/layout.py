@@ -65,6 +65,7 @@ __all__ = [
     "assemble_layout",
     "build_layout",
     "shared_group_layout",
+    "stock_layout",
     "shared_labels",
     "gather_to_stock",
     "prompt_lengths_from_completion_mask",
@@ -111,6 +112,9 @@ class Layout:
         join: the join rule of the plan that was laid out (`JOINS`; `"auto"` chooses `"prompts"` or `"always"`).
         segments: for one unpadded row (`RowPolicy(stream=True)`), the attention calls that compute it as query
             segments reading their gathered paths (`Segments`), else None.
+        kernel: the attention backend these rows were laid out for (`attention.BACKENDS`; `"stock"`: stock's own
+            rows, run by the model's own forward and attention), or None where the session's one backend runs every
+            layout.
     """
 
     input_ids: torch.Tensor
@@ -124,6 +128,18 @@ class Layout:
     vision: dict | None = None
     join: str = "prompts"
     segments: tuple[Segments, ...] | None = None
+    kernel: str | None = None
+
+    @property
+    def is_stock(self) -> bool:
+        """Whether these are stock's own rows (`stock_layout`), which the model's own forward runs as they are."""
+        return self.kernel == "stock"
+
+    @property
+    def visible_pairs(self) -> torch.Tensor:
+        """0-d: the query-key pairs the mask lets through (each token's keys on its path)."""
+        columns = torch.arange(self.subtree_end.shape[1], device=self.subtree_end.device)
+        return ((self.subtree_end - columns) * (self.document_ids >= 0)).sum()
 
     @property
     def num_positions(self) -> torch.Tensor:
@@ -645,9 +661,10 @@ def build_layout(
     plan: LayoutPlan | list[LayoutPlan] | None = None,
     join: str = "prompts",
     cost=None,
+    tuning=None,
 ) -> Layout:
-    """The shared layout of stock rows: `plan_layouts`, the cheaper plan, then `assemble_layout`. A pure function of
-    the rows.
+    """The shared layout of stock rows: `plan_layouts`, the cheapest candidate, then `assemble_layout`. A pure
+    function of the rows (and of `tuning`'s measured costs).
 
     Args:
         rows: where the documents go (`RowPolicy`): one per row (the default), or packed. Packing reads the documents'
@@ -657,6 +674,9 @@ def build_layout(
             then unused).
         join: how rows that share a prefix join one document (`JOINS`).
         cost: the step's cost model (`cost.StepCost`), which chooses between plans (`join="auto"`).
+        tuning: the candidates to choose from and their measured costs (`tuning.Tuning`): stock rows, and every plan
+            laid out for every kernel's rows and cost model (`rows` and `cost` are then unused). The layout says which
+            it is (`Layout.kernel`; stock rows: `stock_layout`).
 
     Other arguments: see `plan_layout`. One device-to-host read (each plan's number of documents and longest, or its
     documents' lengths when packed).
@@ -674,48 +694,88 @@ def build_layout(
             check=check,
         )
     plans = plan if isinstance(plan, list) else [plan]
-    rows = rows or RowPolicy()
-    shapes = _shapes(plans, rows)
-    if len(plans) > 1 and cost is None:
-        raise ValueError("Choosing between layout plans (`join='auto'`) needs the step's cost model (`cost`).")
-    chosen = _cheapest(shapes, cost) if len(plans) > 1 else 0
-    if isinstance(shapes[chosen], ValueError):  # no plan fits the rows
-        if plans[chosen].join != "always":
-            raise shapes[chosen]
+    from .tuning import Candidate, Tuning
+
+    if tuning is None:  # one candidate: `rows`, chosen between plans by `cost`
+        if len(plans) > 1 and cost is None:
+            raise ValueError("Choosing between layout plans (`join='auto'`) needs the step's cost model (`cost`).")
+        tuning = Tuning((Candidate(None, rows or RowPolicy(), cost),))
+    sizes = _plan_sizes(plans)
+    options = []  # (predicted cost, candidate, plan index, shape)
+    for candidate in tuning.candidates:
+        if candidate.is_stock:
+            num, width = input_ids.shape
+            options.append((tuning.estimate(candidate, num, width, num * width * width), candidate, None, None))
+            continue
+        for number, (p, size) in enumerate(zip(plans, sizes, strict=True)):
+            shape = _shape(p, size, candidate.rows)
+            many = len(plans) > 1 or len(tuning.candidates) > 1
+            estimate = (
+                0.0
+                if isinstance(shape, ValueError) or not many
+                else tuning.estimate(candidate, shape[0], shape[1], shape[3])
+            )
+            options.append((float("inf") if isinstance(shape, ValueError) else estimate, candidate, number, shape))
+    _, candidate, number, shape = min(options, key=lambda option: option[0])  # the first on a tie
+    if candidate.is_stock:
+        return stock_layout(input_ids, attention_mask, check=check)
+    if isinstance(shape, ValueError):  # no plan fits the rows
+        if plans[number].join != "always":
+            raise shape
         raise ValueError(
-            f"{shapes[chosen]} With `prefix_sharing_join='always'` the rows of several examples that start alike "
+            f"{shape} With `prefix_sharing_join='always'` the rows of several examples that start alike "
             "join one document, which can outgrow a fixed packed row: set `prefix_sharing_join='auto'` (which keeps "
             "to plans that fit) or `'prompts'`, or a larger `packing_length`."
-        ) from shapes[chosen]
-    num_rows, width, placement, _ = shapes[chosen]
+        ) from shape
+    num_rows, width, placement, _ = shape
     layout = assemble_layout(
-        plans[chosen], num_rows, width, pad_token_id=pad_token_id, segments=rows.stream, **placement
+        plans[number], num_rows, width, pad_token_id=pad_token_id, segments=candidate.rows.stream, **placement
     )
     layout.check = check
-    layout.join = plans[chosen].join
+    layout.join = plans[number].join
+    layout.kernel = candidate.name
     return layout
 
 
-def _shapes(plans: list[LayoutPlan], rows: RowPolicy) -> list:
-    """Per plan: the number and width of the shared rows it needs, where its documents go and the query-key pairs
-    its mask lets through (`visible_pairs`), or the `ValueError` saying why its documents do not fit `rows`. One host
-    read for all plans (each plan's documents, visible pairs, and longest document, or every document's length when
-    packed)."""
-    if rows.packs:
-        sizes = [torch.cat([torch.stack([p.num_documents, p.visible_pairs]), p.document_lengths]) for p in plans]
-    else:
-        sizes = [torch.stack([p.num_documents, p.visible_pairs, p.document_lengths.max()]) for p in plans]
-    shapes = []
-    for p, (num_documents, pairs, *lengths) in zip(plans, torch.stack(sizes).tolist(), strict=True):
-        try:
-            if rows.packs:
-                num_rows, needed, placement = _placed(rows, lengths[:num_documents], p.order.device)
-            else:
-                num_rows, needed, placement = num_documents, lengths[0], {}
-            shapes.append((num_rows, max(rows.width(needed), 1), placement, pairs))
-        except ValueError as error:  # the plan's rows do not fit `rows`
-            shapes.append(error)
-    return shapes
+def stock_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, check: bool = True) -> Layout:
+    """Stock's own rows as a layout (`Layout.kernel == "stock"`): the model's own forward runs them as they are, with
+    its own attention; every column is a position the model computes (`num_positions`), and `stock_index` is the
+    identity on the rows' tokens."""
+    num, width = input_ids.shape
+    device = input_ids.device
+    columns = torch.arange(width, device=device)
+    flat = torch.arange(num * width, device=device).view(num, width)
+    return Layout(
+        input_ids=input_ids,
+        position_ids=columns.expand(num, width),
+        document_ids=torch.zeros((num, width), dtype=torch.long, device=device),
+        subtree_end=(columns + 1).expand(num, width),
+        stock_index=torch.where(attention_mask.bool(), flat, -1),
+        check=check,
+        join="stock",
+        kernel="stock",
+    )
+
+
+def _plan_sizes(plans: list[LayoutPlan]) -> list[list[int]]:
+    """Per plan, read on the host in one go: its documents, its visible pairs, and every document's length."""
+    sizes = [torch.cat([torch.stack([p.num_documents, p.visible_pairs]), p.document_lengths]) for p in plans]
+    return torch.stack(sizes).tolist()
+
+
+def _shape(plan: LayoutPlan, size: list[int], rows: RowPolicy):
+    """The number and width of the shared rows `plan` needs under `rows`, where its documents go and the query-key
+    pairs its mask lets through, or the `ValueError` saying why its documents do not fit `rows`."""
+    num_documents, pairs, *lengths = size
+    lengths = lengths[:num_documents]
+    try:
+        if rows.packs:
+            num_rows, needed, placement = _placed(rows, lengths, plan.order.device)
+        else:
+            num_rows, needed, placement = num_documents, max(lengths, default=0), {}
+        return num_rows, max(rows.width(needed), 1), placement, pairs
+    except ValueError as error:  # the plan's rows do not fit `rows`
+        return error
 
 
 def _placed(rows: RowPolicy, lengths: list[int], device) -> tuple[int, int, dict]:
@@ -740,16 +800,6 @@ def _placed(rows: RowPolicy, lengths: list[int], device) -> tuple[int, int, dict
     return len(placed), max(row_lens, default=0), placement
 
 
-def _cheapest(shapes: list, cost) -> int:
-    """The plan (by its `_shapes` entry) whose step `cost` estimates lowest (the first on a tie); a plan whose rows
-    do not fit is no choice."""
-    estimates = [
-        float("inf") if isinstance(shape, ValueError) else cost.estimate(shape[0], shape[1], shape[3])
-        for shape in shapes
-    ]
-    return min(range(len(shapes)), key=estimates.__getitem__)
-
-
 def shared_group_layout(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -760,10 +810,12 @@ def shared_group_layout(
     check: bool = True,
     join: str = "prompts",
     cost=None,
+    tuning=None,
 ) -> Layout:
     """The shared layout of generated rows `[prompt (prompt_length columns) | completion]` (GRPO, RLOO, online DPO),
     on the rows' device: a row's prompt is its tokens in the prompt columns, so a prompt's generations (and duplicate
-    prompts') form one document (`score_padding`: see `plan_layout`; `rows`, `join`, `cost`: see `build_layout`)."""
+    prompts') form one document (`score_padding`: see `plan_layout`; `rows`, `join`, `cost`, `tuning`: see
+    `build_layout`)."""
     prompt_lengths = attention_mask[:, :prompt_length].sum(dim=1)
     return build_layout(
         input_ids,
@@ -775,6 +827,7 @@ def shared_group_layout(
         check=check,
         join=join,
         cost=cost,
+        tuning=tuning,
     )
 
 

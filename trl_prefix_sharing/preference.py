@@ -43,6 +43,7 @@ class CollatedSharingMixin(PrefixSharingMixin):
             share_prefix=self.prefix_sharing,
             join=self.sharing.join,
             cost=self.sharing.cost,
+            tuning=self.sharing.tuning if self.sharing.tuning.measures else None,  # packing: rows set below
             examples_of=self._examples_of,
             prompts_of=self._prompts_of,
         )

@@ -25,10 +25,11 @@ from collections.abc import Mapping
 
 import torch
 
-from .attention import AttentionBackend, AttentionSwitch
+from .attention import BACKENDS, AttentionBackend, AttentionSwitch
 from .forward import install_prefix_sharing_forward, remove_prefix_sharing_forward
 from .layout import Layout, RowPolicy, build_layout, shared_group_layout
 from .patching import is_patched, keep_own, mark_patched, put_back_own
+from .tuning import Tuning
 from .vision import has_vision_inputs, shared_vision_inputs
 
 
@@ -60,6 +61,7 @@ class PrefixSharingSession:
         autocast: the trainer's `accelerator.autocast`: the shared calls of a model that accelerate already wrapped
             in mixed precision (a reference model prepared in TRL's `__init__`) run inside it, as stock's calls do.
         join: `prefix_sharing_join` (`layout.JOINS`); `"auto"` chooses by `self.cost`, the policy's under the kernel.
+        alternatives, stock_rows: other backends, and whether stock's own rows, `"auto"` chooses from (`tuning.py`).
     """
 
     def __init__(
@@ -72,6 +74,8 @@ class PrefixSharingSession:
         checks: bool | None = None,
         autocast=None,
         join: str = "prompts",
+        alternatives: tuple[AttentionBackend, ...] = (),
+        stock_rows: bool = False,
     ):
         self.models = list(models)
         self.pad_token_id = pad_token_id(processing_class)
@@ -80,15 +84,12 @@ class PrefixSharingSession:
         self.checks = checks
         self.autocast = autocast
         self.join, self.cost = join, self.backend.cost(self.models[0])
+        self.tuning = Tuning.of_session(self, alternatives, stock_rows)  # the candidates and their measured costs
         #: a trainer whose TRL code calls its models without a layout sets this: `router(model, kwargs)` gives the
         #: layout of a fused call's rows, a finished output, or None (see `install_prefix_sharing_forward`)
         self.router = None
         self.patches = ModelPatches(self.models, fuse_lm_head, autocast, self._route)
         self._layouts = _LayoutCache()
-
-    @property
-    def attn_implementation(self) -> str:  # the backend's name, as `prefix_sharing_attn_implementation` resolved
-        return self.backend.name
 
     @property
     def rows(self) -> RowPolicy:  # the backend's unpacked rows (rounded, or varlen's one unpadded row)
@@ -113,9 +114,10 @@ class PrefixSharingSession:
     def with_attention(self, layout: Layout) -> Layout:
         """`layout` with what this session's backend gives the model for it (`Layout.attention`), and whether its
         forward checks it (built once per layout; the layout is returned)."""
-        if layout.attention is None:
+        if layout.attention is None and not layout.is_stock:  # stock rows run the model's own call
             layout.check = self._checks_on(layout.input_ids)
-            layout.attention = self.backend.inputs(layout, self.models[0].config)
+            backend = self.backend if layout.kernel is None else BACKENDS[layout.kernel]
+            layout.attention = backend.inputs(layout, self.models[0].config)
         return layout
 
     def prepare(self, inputs: Mapping) -> Layout:
@@ -130,7 +132,7 @@ class PrefixSharingSession:
             layout = inputs["prefix_sharing"] = layout.to(device)
         self.attach()
         self.with_attention(layout)
-        if layout.vision is None and has_vision_inputs(inputs):  # images once per pair, M-RoPE positions
+        if layout.vision is None and not layout.is_stock and has_vision_inputs(inputs):  # images once per pair
             layout.vision = shared_vision_inputs(self.models[0], inputs, layout)
         return layout
 
@@ -143,19 +145,19 @@ class PrefixSharingSession:
         score_padding: bool = False,
     ) -> Layout:
         """The layout, with its attention inputs, of stock rows built in the training step (the trie of the rows;
-        `examples`, `prompt_lengths` and `score_padding`: see `plan_layout`). On the rows' device; one host read."""
+        `examples`, `prompt_lengths` and `score_padding`: see `plan_layout`), as `self.tuning` chooses. On the rows'
+        device; one host read."""
         self.attach()
         layout = build_layout(
             input_ids,
             attention_mask,
             prompt_lengths=prompt_lengths,
             examples=examples,
-            rows=self.rows,
             pad_token_id=self.pad_token_id,
             score_padding=score_padding,
             check=self._checks_on(input_ids),
             join=self.join,
-            cost=self.cost,
+            tuning=self.tuning,
         )
         return self.with_attention(layout)
 
@@ -184,11 +186,10 @@ class PrefixSharingSession:
                 attention_mask,
                 prompt_length,
                 self.pad_token_id,
-                self.rows,
                 score_padding=score_padding,
                 check=self._checks_on(input_ids),
                 join=self.join,
-                cost=self.cost,
+                tuning=self.tuning,
             )
             self._layouts.put(source, key, self.with_attention(layout))
         return layout
@@ -230,8 +231,14 @@ class ModelPatches:
                     mark_patched(model, "forward", _UNFUSED)
         for model in self.models:
             self._switch.apply(model, attn_implementation)
-            install_prefix_sharing_forward(model, autocast=self.autocast, route=self.route)
+            install_prefix_sharing_forward(model, autocast=self.autocast, route=self.route, switch=self.use)
         self.attached = True
+
+    def use(self, model, layout: Layout) -> None:
+        """Before a call of `model` on `layout`: the attention implementation its rows were laid out for (stock
+        rows: the model's own), where the session chooses the kernel per micro-batch (`Layout.kernel`)."""
+        if layout.kernel is not None:
+            self._switch.use(model, None if layout.is_stock else BACKENDS[layout.kernel].attn_implementation)
 
     def detach(self) -> None:
         """Undo the patches of `attach`: the models run on their own attention implementation and generate as

@@ -19,7 +19,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
-from .attention import attention_dtype, choose_backend
+from .attention import attention_dtype, auto_backends, choose_backend
 from .collator import PrefixSharingCollator
 from .config import warn_if_not_our_config
 from .distributed import release_distributed_wrappers, warn_if_fewer_processes_than_asked
@@ -33,12 +33,32 @@ from .support import (
     check_forward_in_place,
     check_model_and_processor,
 )
+from .tuning import measure_session
 from .validation import check_not_empty, check_prompt_column, check_rows_left, dataset_sizes
+from .vision import is_vision_config
 
 
 __all__ = ["PrefixSharingMixin"]
 
 logger = logging.get_logger(__name__)
+
+
+def _measured_candidates(trainer, models, requested: str, join: str, dtype) -> tuple[tuple, bool]:
+    """What `"auto"` measures per micro-batch besides the preferred kernel (`tuning.py`): every kernel that can run,
+    and whether stock's own rows are a candidate (the join rule is `"auto"` too). Packed rows keep one kernel
+    (packing's sampler fits batches to its rows), as do vision-language models."""
+    measured = requested == "auto" and not trainer.packing and not is_vision_config(models[0].config)
+    alternatives = tuple(auto_backends(models, trainer.accelerator.device, dtype)) if measured else ()
+    return alternatives, measured and join == "auto" and trainer.prefix_sharing
+
+
+def _measure(trainer, input_ids, attention_mask, prompt_lengths, examples) -> None:
+    """The start-up measurement of `"auto"`'s candidates on the first micro-batch's stock rows, logged in one line
+    (`prompt_lengths`, `examples`: tensors, or functions that make them)."""
+    prompt_lengths, examples = (value() if callable(value) else value for value in (prompt_lengths, examples))
+    summary = measure_session(trainer.sharing, input_ids, attention_mask, prompt_lengths, examples)
+    if trainer.args.should_log:
+        logger.warning(f"Prefix sharing ('auto' on {input_ids.device.type}): {summary}.")
 
 
 class _ForwardInPlace(TrainerCallback):
@@ -258,12 +278,11 @@ class PrefixSharingMixin(_ArgumentsChecked, _PositionsLogged, _PatchedWhileRunni
         name = type(self).__name__
         reasons = [check_architecture(model.config, name, self._supports_vision) for model in models]
         self.model_check = StartupCheck(models, reasons, getattr(self.args, "prefix_sharing_model_check", "auto"))
-        backend = choose_backend(
-            models,
-            self.args.prefix_sharing_attn_implementation,
-            self.accelerator.device,
-            attention_dtype(models[0], self.accelerator.mixed_precision),
-        )
+        requested = self.args.prefix_sharing_attn_implementation
+        dtype = attention_dtype(models[0], self.accelerator.mixed_precision)
+        backend = choose_backend(models, requested, self.accelerator.device, dtype)
+        join = getattr(self.args, "prefix_sharing_join", "prompts")
+        alternatives, stock_rows = _measured_candidates(self, models, requested, join, dtype)
         self.sharing = PrefixSharingSession(
             models,
             self.processing_class,
@@ -272,7 +291,9 @@ class PrefixSharingMixin(_ArgumentsChecked, _PositionsLogged, _PatchedWhileRunni
             fuse_lm_head=self._fuse_lm_head,
             checks=getattr(self.args, "prefix_sharing_checks", None),
             autocast=self.accelerator.autocast,
-            join=getattr(self.args, "prefix_sharing_join", "prompts"),
+            join=join,
+            alternatives=alternatives,
+            stock_rows=stock_rows,
         )
         self._setup_collator()
         self.add_callback(_ForwardInPlace(self))
@@ -286,6 +307,8 @@ class PrefixSharingMixin(_ArgumentsChecked, _PositionsLogged, _PatchedWhileRunni
         if self.model_check is not None and self.model_check.pending:
             prompt_lengths, examples = (value() if callable(value) else value for value in (prompt_lengths, examples))
             self.model_check.run(self.sharing, input_ids, attention_mask, prompt_lengths, examples)
+        if self.sharing is not None and self.sharing.tuning.pending:
+            _measure(self, input_ids, attention_mask, prompt_lengths, examples)
 
     def _finish_prefix_sharing_init(self) -> None:
         """The end of the trainer's `__init__`: the session set up, the models left as TRL leaves them (the

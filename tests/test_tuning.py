@@ -1,0 +1,243 @@
+"""`"auto"` chooses per micro-batch between stock's own rows and every kernel's shared layouts, by costs measured at
+start-up (`trl_prefix_sharing.tuning`); the clock is injected here, so the choice is known, and whichever wins the
+run equals stock TRL's."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from equivalence import (
+    assert_same_training,
+    awkward_text_dataset,
+    make_reward_trainers,
+    make_trainers,
+    train_and_evaluate,
+)
+from group_equivalence import assert_same_runs, make_group_trainer, prompt_dataset, save_model
+from group_equivalence import train as train_group
+
+from trl_prefix_sharing import tuning
+from trl_prefix_sharing.attention import auto_backends
+from trl_prefix_sharing.cost import StepCost
+from trl_prefix_sharing.layout import RowPolicy, build_layout
+from trl_prefix_sharing.session import PrefixSharingSession
+from trl_prefix_sharing.testing import make_model
+from trl_prefix_sharing.tuning import STOCK, Candidate, Fit, Tuning
+
+
+class ScriptedTimer:
+    """A clock that runs each timed call (so the measurement's calls are exercised) and says it took `seconds[name]`
+    (default 5 s); it records the candidates it timed."""
+
+    def __init__(self, seconds: dict[str, float]):
+        self.seconds, self.timed = seconds, []
+
+    def measure(self, name, run, device):
+        run()
+        self.timed.append(name)
+        return self.seconds.get(name, 5.0)
+
+
+@pytest.fixture
+def clock():
+    """Install a scripted clock for the test: `clock({"stock": 1.0})`."""
+    old = tuning.get_timer()
+
+    def install(seconds):
+        timer = ScriptedTimer(seconds)
+        tuning.set_timer(timer)
+        return timer
+
+    yield install
+    tuning.set_timer(old)
+
+
+@pytest.fixture
+def kernels_run(monkeypatch):
+    """The kernel of every layout a preference trainer's step prepared (`Layout.kernel`), in order."""
+    seen = []
+    prepare = PrefixSharingSession.prepare
+
+    def spy(self, inputs):
+        layout = prepare(self, inputs)
+        seen.append(layout.kernel)
+        return layout
+
+    monkeypatch.setattr(PrefixSharingSession, "prepare", spy)
+    return seen
+
+
+# ----------------------------------------------------------------------------------------------- the model
+def test_a_fit_through_two_sizes_gives_the_fixed_and_the_per_multiply_add_cost():
+    fit = Fit.through([(100.0, 0.3), (300.0, 0.7)])
+    assert fit.fixed == pytest.approx(0.1) and fit.per_mac == pytest.approx(0.002)
+    assert fit.seconds(200.0) == pytest.approx(0.5)
+    assert Fit.through([(100.0, 0.5)]) == Fit(fixed=0.0, per_mac=0.005)  # one size: proportional
+    noisy = Fit.through([(100.0, 0.5), (300.0, 0.4)])  # the larger was faster: all of it is fixed
+    assert noisy == Fit(fixed=0.5, per_mac=0.0)
+
+
+def _rows():
+    """Two prompts of 6 tokens with two completions each, right-padded."""
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 0], [5, 6, 7, 8, 9, 10, 13, 14, 15], [20] * 9, [20] * 7 + [21, 0]])
+    mask = (ids != 0).long()
+    return ids, mask, torch.tensor([0, 0, 1, 1])
+
+
+def _tuning(fits: dict[str, Fit]) -> Tuning:
+    cost = StepCost(position=1.0, pair=0.1)
+    candidates = (
+        Candidate("sdpa", RowPolicy(), cost),
+        Candidate("varlen", RowPolicy(stream=True), StepCost(position=1.0, pair=0.1, dense=False)),
+        Candidate(STOCK, None, cost),
+    )
+    return Tuning(candidates, fits=fits)
+
+
+@pytest.mark.parametrize("cheapest", ["sdpa", "varlen", STOCK])
+def test_the_cheapest_candidate_is_laid_out(cheapest):
+    ids, mask, examples = _rows()
+    fits = {name: Fit(fixed=1.0 if name == cheapest else 2.0, per_mac=0.0) for name in ("sdpa", "varlen", STOCK)}
+    layout = build_layout(ids, mask, examples=examples, join="auto", tuning=_tuning(fits))
+    assert layout.kernel == cheapest
+    assert (layout.segments is not None) == (cheapest == "varlen")
+    if cheapest == STOCK:  # stock's own rows, every column a position the model computes
+        assert layout.is_stock and torch.equal(layout.input_ids, ids)
+        assert int(layout.num_positions) == ids.numel()
+        assert torch.equal(layout.stock_index[mask.bool()], torch.arange(ids.numel()).view_as(ids)[mask.bool()])
+    else:
+        assert int(layout.num_positions) < int(mask.sum())  # the two prompts computed once each
+
+
+def test_the_per_multiply_add_cost_decides_between_sizes():
+    """A candidate with a large fixed cost and a small one per multiply-add wins the large micro-batches only."""
+    ids, mask, examples = _rows()
+    fits = {"sdpa": Fit(fixed=100.0, per_mac=0.0), "varlen": Fit(fixed=200.0, per_mac=0.0)}
+    fits[STOCK] = Fit(fixed=0.0, per_mac=2.0)  # this batch: 36 positions and 324 pairs, 137 s; one short row: 8 s
+    assert build_layout(ids, mask, examples=examples, join="auto", tuning=_tuning(fits)).kernel == "sdpa"
+    assert build_layout(ids[:1, :3], mask[:1, :3], join="auto", tuning=_tuning(fits)).kernel == STOCK
+
+
+def test_before_the_measurement_the_preferred_kernel_runs():
+    ids, mask, examples = _rows()
+    layout = build_layout(ids, mask, examples=examples, join="auto", tuning=_tuning({}))
+    assert layout.kernel == "sdpa"
+
+
+def test_a_kernel_that_cannot_run_is_never_a_candidate(tokenizer):
+    model = make_model("llama", len(tokenizer))
+    names = [b.name for b in auto_backends([model], "cpu", torch.float32)]
+    assert names == ["sdpa", "varlen"]  # FlexAttention has no CPU backward
+    eager_only = make_model("gemma2", len(tokenizer), attn_implementation="eager")  # softcapping: no SDPA, no varlen
+    assert [b.name for b in auto_backends([eager_only], "cpu", torch.float32)] == ["eager"]
+
+
+# ----------------------------------------------------------------------------------------------- a trainer
+@pytest.mark.parametrize(
+    ("ours", "candidates"),
+    [
+        ({}, ["sdpa", "varlen", STOCK]),
+        ({"prefix_sharing_join": "prompts"}, ["sdpa", "varlen"]),  # a fixed join: stock rows are no candidate
+        ({"prefix_sharing_attn_implementation": "sdpa"}, ["sdpa"]),  # a fixed kernel: nothing to measure
+        ({"prefix_sharing_attn_implementation": "varlen"}, ["varlen"]),
+        ({"packing": True, "packing_length": 256}, ["sdpa"]),  # packed rows keep one kernel
+    ],
+)
+def test_the_candidates_follow_the_options(tmp_path, tokenizer, ours, candidates):
+    _, trainer = make_trainers(
+        tmp_path, "llama", awkward_text_dataset(), tokenizer, ours={"prefix_sharing": True, **ours}, max_steps=1
+    )
+    assert [c.name for c in trainer.sharing.tuning.candidates] == candidates
+    assert trainer.sharing.tuning.measures == (len(candidates) > 1)
+
+
+@pytest.mark.parametrize("winner", [STOCK, "varlen", "sdpa"])
+def test_dpo_equals_stock_whichever_candidate_wins(tmp_path, tokenizer, clock, kernels_run, caplog, winner):
+    timer = clock({winner: 1.0})
+    data = awkward_text_dataset()
+    stock, ours = make_trainers(tmp_path, "llama", data, tokenizer, eval_dataset=data, max_steps=3)
+    with caplog.at_level(logging.WARNING):
+        results = train_and_evaluate(stock), train_and_evaluate(ours)
+    assert_same_training(*results)
+    assert timer.timed == ["sdpa", "sdpa", "varlen", "varlen", STOCK, STOCK]  # each candidate: a batch, half of it
+    # the first batches were laid out before the measurement (the preferred kernel); the rest by it
+    trained = kernels_run[: 3 * 2]  # a training step prepares a batch for its loss and its reference pass
+    assert trained[0] == "sdpa" and trained[-1] == winner, kernels_run
+    assert set(kernels_run[4:]) == {winner}, kernels_run
+    line = next(r.getMessage() for r in caplog.records if "measured a forward and backward" in r.getMessage())
+    assert ("It runs as stock rows: sharing would cost" in line) == (winner == STOCK), line
+    assert "stock rows 5000.0 ms" in line or winner == STOCK
+
+
+def test_num_shared_tokens_counts_stock_rows_as_stock_computes_them(tmp_path, tokenizer, clock, monkeypatch):
+    clock({STOCK: 1.0})
+    dataset = awkward_text_dataset()
+    _, ours = make_trainers(tmp_path, "llama", dataset, tokenizer, eval_dataset=dataset, max_steps=3)
+    trained = []
+    prepare = PrefixSharingSession.prepare
+
+    def spy(self, inputs):
+        layout = prepare(self, inputs)
+        if ours.model.training and all(layout is not seen for seen in trained):
+            trained.append(layout)
+        return layout
+
+    monkeypatch.setattr(PrefixSharingSession, "prepare", spy)
+    train_and_evaluate(ours)
+    logged = [log["num_shared_tokens"] for log in ours.state.log_history if "num_shared_tokens" in log]
+    # the first two batches were collated before the measurement (the data loader reads one ahead)
+    assert len(trained) == 3 and not trained[0].is_stock and trained[-1].is_stock
+    assert logged[-1] == sum(int(layout.num_positions) for layout in trained)
+    assert int(trained[-1].num_positions) == trained[-1].input_ids.numel()  # every stock column, padding included
+
+
+def test_reward_equals_stock_on_stock_rows_and_on_varlen(tmp_path, tokenizer, clock):
+    for winner in (STOCK, "varlen"):
+        clock({winner: 1.0})
+        data = awkward_text_dataset()
+        stock, ours = make_reward_trainers(tmp_path, "llama", data, tokenizer, eval_dataset=data, max_steps=3)
+        assert_same_training(train_and_evaluate(stock), train_and_evaluate(ours), min_per_line=4)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_group_trainers_equal_stock_on_stock_rows(tmp_path, tokenizer, clock, kind):
+    timer = clock({STOCK: 1.0})
+    path = save_model(tmp_path / "model", "llama", tokenizer)
+    dataset = prompt_dataset()
+    stock = train_group(make_group_trainer(kind, False, path, dataset, tokenizer, tmp_path, max_steps=3))
+    ours_trainer = make_group_trainer(kind, True, path, dataset, tokenizer, tmp_path, max_steps=3)
+    ours = train_group(ours_trainer)
+    assert_same_runs(stock, ours)
+    assert STOCK in timer.timed and ours_trainer.sharing.tuning.fits[STOCK].fixed == 1.0
+
+
+def test_the_real_clock_measures_every_candidate_and_the_run_equals_stock(tmp_path, tokenizer, caplog):
+    tuning.set_timer(tuning.Timer())  # this machine's wall clock (the suite's fixture puts its own back after)
+    data = awkward_text_dataset()
+    stock, ours = make_trainers(tmp_path, "llama", data, tokenizer, eval_dataset=data, max_steps=3)
+    with caplog.at_level(logging.WARNING):
+        assert_same_training(train_and_evaluate(stock), train_and_evaluate(ours))
+    fits = ours.sharing.tuning.fits
+    assert set(fits) == {"sdpa", "varlen", STOCK}
+    assert all(fit.fixed >= 0 and fit.per_mac >= 0 and fit.seconds(1e6) > 0 for fit in fits.values())
+    assert any("measured a forward and backward of the first micro-batch" in r.getMessage() for r in caplog.records)
+
+
+def test_the_measurement_leaves_gradients_and_modes_as_they_were(tmp_path, tokenizer, clock):
+    clock({"varlen": 1.0})
+    _, ours = make_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer, max_steps=1)
+    model = ours.model
+    model.train()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 3.0)
+    batch = ours.data_collator([ours.train_dataset[i] for i in range(4)])
+    ours.sharing.attach()
+    try:
+        ours._startup_check(batch["input_ids"], batch["attention_mask"], examples=torch.tensor([0, 1, 2, 3] * 2))
+    finally:
+        ours.sharing.detach()
+    assert ours.sharing.tuning.fits and model.training
+    assert all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in model.parameters())
+    assert model.config._attn_implementation == "sdpa"  # the switch put back with the patches

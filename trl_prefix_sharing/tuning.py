@@ -1,0 +1,286 @@
+"""Measured costs: how `"auto"` chooses, per micro-batch, between stock's own rows and the shared layouts of every
+kernel that can run, by the time each takes on this device.
+
+Counting work is not the same as time: a shared layout computes fewer positions but pays for what stock does not
+(a mask, a block mask, a gather, one more kernel per layer), and on a fast device that fixed part can outweigh what
+short prompts save. So with `prefix_sharing_attn_implementation="auto"` and `prefix_sharing_join="auto"` the
+candidates of a micro-batch are:
+
+- **stock rows**: the trainer's batch exactly as TRL builds it, run by the model's own forward and attention (the same
+  numbers, by definition);
+- every join plan (`layout.JOINS`) laid out for every kernel that can run here (`attention.auto_backends`: varlen,
+  FlexAttention and SDPA on CUDA; SDPA and varlen's reference elsewhere).
+
+All are exact, so the choice changes speed only. Each candidate's step is predicted as
+
+    seconds = fixed + per_mac x multiply-adds
+
+with `multiply-adds` its count under the kernel (`cost.StepCost`: positions, and every or only the visible query-key
+pairs) and `fixed` and `per_mac` measured on the device (`Fit`): in the start-up phase, each candidate runs a forward
+and a backward of the policy (gradients taken with `torch.autograd.grad`, so nothing accumulates into `.grad`) on the
+first micro-batch and on its first half of rows, after a warm-up call where code compiles (CUDA, a compiled model),
+timed on the same clock (`Timer`: synchronised around the call on an accelerator, the wall clock on the CPU). Each
+later micro-batch takes the candidate of least predicted time. A fixed choice (a kernel or a join rule other than
+`"auto"`) is never overridden: the candidates are then that kernel's layouts only, and stock rows are none of them.
+
+The measurement is per process (each rank chooses for its own micro-batch; every choice is exact) and is repeated
+when a run resumes from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers.utils import logging
+
+from .cost import StepCost
+from .layout import RowPolicy, build_layout, stock_layout
+
+
+__all__ = ["STOCK", "Candidate", "Fit", "Timer", "Tuning", "set_timer", "get_timer", "measure_session"]
+
+logger = logging.get_logger(__name__)
+
+#: the name of the candidate that runs stock's own rows (`Layout.kernel` of such a layout)
+STOCK = "stock"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run a micro-batch.
+
+    Args:
+        name: `STOCK`, or the attention backend's name (`attention.BACKENDS`).
+        rows: where the shared layout puts its documents (`layout.RowPolicy`), None for stock rows.
+        cost: its multiply-adds (`cost.StepCost`; stock rows: dense, over stock's padded rows).
+    """
+
+    name: str
+    rows: RowPolicy | None
+    cost: StepCost
+
+    @property
+    def is_stock(self) -> bool:
+        return self.rows is None
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A candidate's measured cost: `fixed` seconds per forward and backward, plus `per_mac` seconds per multiply-add
+    (`cost.StepCost`)."""
+
+    fixed: float
+    per_mac: float
+
+    def seconds(self, macs: float) -> float:
+        return self.fixed + self.per_mac * macs
+
+    @classmethod
+    def through(cls, points: list[tuple[float, float]]) -> Fit:
+        """The line through measured `(multiply-adds, seconds)` points: two of different sizes give both constants
+        (a slope that noise made negative: the larger point's time is all fixed); one gives a time proportional to
+        the work."""
+        (small_macs, small), (macs, seconds) = sorted(points)[0], sorted(points)[-1]
+        if macs > small_macs and seconds > small:
+            per_mac = (seconds - small) / (macs - small_macs)
+            return cls(fixed=max(small - per_mac * small_macs, 0.0), per_mac=per_mac)
+        if len(points) > 1:
+            return cls(fixed=max(seconds, small), per_mac=0.0)
+        return cls(fixed=0.0, per_mac=seconds / max(macs, 1.0))
+
+
+class Timer:
+    """The clock of the measurement: `measure(name, run, device)` runs `run()` (candidate `name`'s forward and
+    backward on `device`) and returns its seconds. On an accelerator the device is synchronised before and after, so
+    the time is the device's; on the CPU, the wall clock. Tests inject another (`set_timer`)."""
+
+    def measure(self, name: str, run, device) -> float:
+        synchronize = _synchronizer(device)
+        synchronize()
+        start = time.perf_counter()
+        run()
+        synchronize()
+        return time.perf_counter() - start
+
+
+def _synchronizer(device):
+    device = torch.device(device)
+    module = getattr(torch, device.type, None) if device.type != "cpu" else None
+    return getattr(module, "synchronize", None) or (lambda: None)
+
+
+_TIMER: list[Timer] = [Timer()]
+
+
+def set_timer(timer: Timer) -> Timer:
+    """Replace the clock of every later measurement (tests); returns the one it replaced."""
+    old, _TIMER[0] = _TIMER[0], timer
+    return old
+
+
+def get_timer() -> Timer:
+    return _TIMER[0]
+
+
+@dataclass
+class Tuning:
+    """The candidates of one session and their measured costs (see the module docstring).
+
+    Args:
+        candidates: stock rows (if allowed) and the shared layouts of every kernel that can run, the preferred kernel
+            first (it wins ties and runs before anything is measured).
+    """
+
+    candidates: tuple[Candidate, ...]
+    fits: dict[str, Fit] = field(default_factory=dict)
+    #: what the start-up measurement found, for the start-up line (None until it ran)
+    summary: str | None = None
+
+    @property
+    def measures(self) -> bool:
+        """Whether there is a choice to measure (several candidates)."""
+        return len(self.candidates) > 1
+
+    @property
+    def pending(self) -> bool:
+        return self.measures and not self.fits
+
+    @property
+    def shared(self) -> tuple[Candidate, ...]:
+        return tuple(c for c in self.candidates if not c.is_stock)
+
+    def estimate(self, candidate: Candidate, num_rows: int, width: int, visible_pairs: int) -> float:
+        """The predicted seconds of `candidate` over `num_rows` rows of `width` (a shared layout's mask letting
+        `visible_pairs` pairs through); before the measurement, the preferred kernel's multiply-adds, and infinity for
+        the others."""
+        macs = candidate.cost.estimate(num_rows, width, visible_pairs)
+        if not self.fits:  # before the measurement: the preferred kernel runs, its plans compared by their work
+            return macs if candidate is self.candidates[0] else float("inf")
+        return self.fits[candidate.name].seconds(macs)
+
+    @classmethod
+    def of_session(cls, session, alternatives=(), stock_rows: bool = False) -> Tuning:
+        """The candidates of `session` (a `PrefixSharingSession`): its backend first, then the `alternatives`
+        (backends), then stock's own rows if `stock_rows`; each with the rows and cost model of its kernel."""
+        model = session.models[0]
+        backends = [session.backend, *(b for b in alternatives if b is not session.backend)]
+        candidates = [Candidate(b.name, b.rows(session.pad_to_multiple_of), b.cost(model)) for b in backends]
+        if stock_rows:
+            candidates.append(Candidate(STOCK, None, StepCost.of_model(model, dense=True)))
+        return cls(tuple(candidates))
+
+    # ----------------------------------------------------------------------------------------------- measuring
+    def measure(self, run, layout_of, num_rows: int, device, compiles: bool) -> None:
+        """Time every candidate on the first micro-batch and on its first half of rows, and keep their fits (see the
+        module docstring); `summary` then says what was measured and chosen.
+
+        Args:
+            run: `run(rows, layout)`: one forward and backward of the policy on the stock rows `rows` (indices)
+                laid out as `layout`.
+            layout_of: `layout_of(candidate, rows)`: the candidate's layout of the stock rows `rows`.
+            num_rows: the micro-batch's stock rows.
+            compiles: whether a first call compiles (CUDA, a compiled model): each shape runs once untimed first.
+        """
+        timer, start = get_timer(), time.perf_counter()
+        subsets = [torch.arange(num_rows)] + ([torch.arange(num_rows // 2)] if num_rows >= 2 else [])
+        whole = {}
+        for candidate in self.candidates:
+            points = []
+            for rows in subsets:
+                layout = layout_of(candidate, rows)
+                if compiles:
+                    run(rows, layout)
+                seconds = timer.measure(candidate.name, lambda: run(rows, layout), device)  # noqa: B023
+                points.append((_macs(candidate, layout), seconds))
+            self.fits[candidate.name] = Fit.through(points)
+            whole[candidate.name] = points[0][1]
+        self.summary = self._summary(whole, time.perf_counter() - start)
+
+    def _summary(self, whole: dict[str, float], spent: float) -> str:
+        timed = ", ".join(f"{_label(c)} {whole[c.name] * 1000:.1f} ms" for c in self.candidates)
+        best = min(self.candidates, key=lambda c: whole[c.name])
+        if best.is_stock:
+            shared = min(self.shared, key=lambda c: whole[c.name])
+            chosen = (
+                f"stock rows: sharing would cost {whole[shared.name] / whole[STOCK]:.2f}x here ({shared.name}, "
+                "the fastest shared kernel)"
+            )
+        elif STOCK in whole:
+            chosen = f"{best.name}, {whole[STOCK] / whole[best.name]:.2f}x stock's measured step"
+        else:
+            chosen = best.name
+        return (
+            f"measured a forward and backward of the first micro-batch: {timed}. It runs as {chosen}; each "
+            f"micro-batch takes the candidate of least predicted time ({spent:.2f} s spent measuring)"
+        )
+
+
+def _label(candidate: Candidate) -> str:
+    return "stock rows" if candidate.is_stock else candidate.name
+
+
+def _macs(candidate: Candidate, layout) -> float:
+    num_rows, width = layout.input_ids.shape
+    pairs = num_rows * width * width if candidate.is_stock else int(layout.visible_pairs)
+    return candidate.cost.estimate(num_rows, width, pairs)
+
+
+def measure_session(session, input_ids, attention_mask, prompt_lengths=None, examples=None) -> str:
+    """Measure the candidates of `session` (a `PrefixSharingSession`) on a micro-batch's stock rows: each laid out
+    as the trainer lays them out, then one forward and backward of the policy (`Tuning.measure`). Returns the start-up
+    line's text."""
+    from .forward import _is_sequence_classifier
+    from .model_check import _scores
+
+    model = session.models[0]
+    kind = "classifier" if _is_sequence_classifier(model) else "fused"
+    trained = [p for p in model.parameters() if p.requires_grad]
+    # parameters sharded by ZeRO-3 or FSDP: their backward belongs to the wrapper's hooks, so the forward is timed
+    backward = bool(trained) and not any(hasattr(p, "ds_id") or type(p).__name__ == "DTensor" for p in trained)
+
+    def layout_of(candidate, rows):
+        take = rows.to(input_ids.device)
+        ids, mask = input_ids[take], attention_mask[take]
+        if candidate.is_stock:
+            return stock_layout(ids, mask, check=False)
+        layout = build_layout(
+            ids,
+            mask,
+            prompt_lengths=None if prompt_lengths is None else prompt_lengths[take],
+            examples=None if examples is None else examples[take],
+            rows=candidate.rows,
+            pad_token_id=session.pad_token_id,
+            check=False,
+            join=session.join,
+            cost=candidate.cost,
+        )
+        layout.kernel = candidate.name
+        return session.with_attention(layout)
+
+    def run(rows, layout):
+        take = rows.to(input_ids.device)
+        autocast = session.autocast() if session.autocast is not None else contextlib.nullcontext()
+        with torch.enable_grad() if backward else torch.no_grad(), autocast:
+            values, _ = _scores(model, kind, input_ids[take], attention_mask[take], layout)
+            if backward:
+                _backward_dropped(values.float().sum(), trained)
+
+    compiles = input_ids.device.type != "cpu" or getattr(model, "_compiled_call_impl", None) is not None
+    session.attach()
+    session.tuning.measure(run, layout_of, input_ids.shape[0], input_ids.device, compiles)
+    return session.tuning.summary if backward else f"{session.tuning.summary}; forward only (sharded parameters)"
+
+
+def _backward_dropped(value: torch.Tensor, parameters: list) -> None:
+    """`value.backward()`, its gradients dropped: every parameter's `.grad` left as it was."""
+    saved = [p.grad for p in parameters]
+    for p in parameters:
+        p.grad = None  # else backward adds into the saved tensors in place
+    try:
+        value.backward()
+    finally:
+        for p, grad in zip(parameters, saved, strict=True):
+            p.grad = grad
