@@ -232,15 +232,6 @@ def layout_of(trainer_name, trainer, variant, made):
     return layout, tuple(layout.input_ids.shape)
 
 
-def visible_pairs(layout) -> int:
-    """Query-key pairs the layout's mask lets through: each key is seen by the queries of its subtree."""
-    import torch
-
-    keys = layout.document_ids >= 0
-    columns = torch.arange(layout.input_ids.shape[1])
-    return int(((layout.subtree_end - columns) * keys).sum())
-
-
 def run(trainer_name, profile, model, tokenizer, args, tmp):
     from trl_prefix_sharing.cost import StepCost
 
@@ -275,7 +266,7 @@ def run(trainer_name, profile, model, tokenizer, args, tmp):
             trainer.sharing.attach()
         layout, (num_rows, width) = layout_of(trainer_name, trainer, variant, made[variant])
         shared = layout is not None and not layout.is_stock  # `"auto"` may run stock's own rows
-        pairs_seen = visible_pairs(layout) if shared else num_rows * width * (width + 1) // 2
+        pairs_seen = int(layout.visible_pairs) if shared else num_rows * width * (width + 1) // 2
         results[variant] = {
             "rows": num_rows,
             "width": width,
