@@ -273,6 +273,8 @@ def run(trainer_name, profile, model, tokenizer, args, tmp):
             "positions": num_rows * width,
             "join": layout.join if layout is not None else None,
             "kernel": (layout.kernel or trainer.sharing.backend.name) if layout is not None else None,
+            # `"auto"`: what its start-up measurement timed and chose (`trl_prefix_sharing.tuning`)
+            "measured": trainer.sharing.tuning.summary if variant != "stock" else None,
             "visible_pairs": pairs_seen,
             "estimate": cost.estimate(num_rows, width, pairs_seen),
             # FlexAttention (not run here): the visible pairs only; stock as a causal kernel runs it, half its rows'

@@ -437,6 +437,7 @@ class HostClock:
         self.collate_s = self.layout_s = self.mask_s = 0.0
         self.collate_calls = self.layout_calls = self.mask_calls = 0
         self.events = []
+        self.kernels = {}  # the kernel each timed micro-batch's layout ran (`Layout.kernel`; "stock": stock's rows)
 
     def mask_gpu_s(self) -> float | None:
         if not self.cuda or not self.events:
@@ -522,6 +523,9 @@ class TimedCollator:
         batch = self.collator(examples)
         self.clock.collate_s += time.perf_counter() - start
         self.clock.collate_calls += 1
+        layout = batch.get("prefix_sharing") if isinstance(batch, dict) else None
+        if layout is not None:
+            self.clock.kernels[layout.kernel] = self.clock.kernels.get(layout.kernel, 0) + 1
         return batch
 
 
@@ -634,6 +638,7 @@ def bench_variant(kind, variant, model, tokenizer, dataset, settings, clock, tmp
         "attn_implementation": trainer.sharing.backend.name if getattr(trainer, "sharing", None) else "sdpa",
         # `"auto"`: what it measured at start-up and chose (`trl_prefix_sharing.tuning`), None for a fixed kernel
         "auto_measured": trainer.sharing.tuning.summary if getattr(trainer, "sharing", None) else None,
+        "kernels_run": dict(clock.kernels),  # micro-batches per kernel that ran them (stock: none laid out)
         "compiled_variants": compiled_variants(),
         "profile": profile,
         **monitor,

@@ -56,7 +56,8 @@ def _measure(trainer, input_ids, attention_mask, prompt_lengths, examples) -> No
     """The start-up measurement of `"auto"`'s candidates on the first micro-batch's stock rows, logged in one line
     (`prompt_lengths`, `examples`: tensors, or functions that make them)."""
     prompt_lengths, examples = (value() if callable(value) else value for value in (prompt_lengths, examples))
-    summary = measure_session(trainer.sharing, input_ids, attention_mask, prompt_lengths, examples)
+    wrapped = getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False)
+    summary = measure_session(trainer.sharing, input_ids, attention_mask, prompt_lengths, examples, not wrapped)
     if trainer.args.should_log:
         logger.warning(f"Prefix sharing ('auto' on {input_ids.device.type}): {summary}.")
 

@@ -17,14 +17,15 @@ All are exact, so the choice changes speed only. Each candidate's step is predic
 
 with `multiply-adds` its count under the kernel (`cost.StepCost`: positions, and every or only the visible query-key
 pairs) and `fixed` and `per_mac` measured on the device (`Fit`): in the start-up phase, each candidate runs a forward
-and a backward of the policy (gradients taken with `torch.autograd.grad`, so nothing accumulates into `.grad`) on the
+and a backward of the policy (its gradients dropped: every `.grad` is left as it was) on the
 first micro-batch and on its first half of rows, after a warm-up call where code compiles (CUDA, a compiled model),
 timed on the same clock (`Timer`: synchronised around the call on an accelerator, the wall clock on the CPU). Each
 later micro-batch takes the candidate of least predicted time. A fixed choice (a kernel or a join rule other than
 `"auto"`) is never overridden: the candidates are then that kernel's layouts only, and stock rows are none of them.
 
 The measurement is per process (each rank chooses for its own micro-batch; every choice is exact) and is repeated
-when a run resumes from a checkpoint.
+when a run resumes from a checkpoint. Under DeepSpeed or FSDP the forward alone is timed: their hooks reduce every
+gradient a backward computes, so a backward outside the training step would be reduced twice.
 """
 
 from __future__ import annotations
@@ -228,10 +229,18 @@ def _macs(candidate: Candidate, layout) -> float:
     return candidate.cost.estimate(num_rows, width, pairs)
 
 
-def measure_session(session, input_ids, attention_mask, prompt_lengths=None, examples=None) -> str:
+def measure_session(
+    session, input_ids, attention_mask, prompt_lengths=None, examples=None, backward: bool = True
+) -> str:
     """Measure the candidates of `session` (a `PrefixSharingSession`) on a micro-batch's stock rows: each laid out
     as the trainer lays them out, then one forward and backward of the policy (`Tuning.measure`). Returns the start-up
-    line's text."""
+    line's text.
+
+    Args:
+        backward: whether the backward is timed too; False where a wrapper's hooks own every backward of the model
+            (DeepSpeed, FSDP: they reduce each gradient it computes). Parameters sharded by ZeRO-3 or FSDP are
+            detected here as well.
+    """
     from .forward import _is_sequence_classifier
     from .model_check import _scores
 
@@ -239,7 +248,8 @@ def measure_session(session, input_ids, attention_mask, prompt_lengths=None, exa
     kind = "classifier" if _is_sequence_classifier(model) else "fused"
     trained = [p for p in model.parameters() if p.requires_grad]
     # parameters sharded by ZeRO-3 or FSDP: their backward belongs to the wrapper's hooks, so the forward is timed
-    backward = bool(trained) and not any(hasattr(p, "ds_id") or type(p).__name__ == "DTensor" for p in trained)
+    sharded = any(hasattr(p, "ds_id") or type(p).__name__ == "DTensor" for p in trained)
+    backward = backward and bool(trained) and not sharded
 
     def layout_of(candidate, rows):
         take = rows.to(input_ids.device)
@@ -271,7 +281,9 @@ def measure_session(session, input_ids, attention_mask, prompt_lengths=None, exa
     compiles = input_ids.device.type != "cpu" or getattr(model, "_compiled_call_impl", None) is not None
     session.attach()
     session.tuning.measure(run, layout_of, input_ids.shape[0], input_ids.device, compiles)
-    return session.tuning.summary if backward else f"{session.tuning.summary}; forward only (sharded parameters)"
+    if backward:
+        return session.tuning.summary
+    return f"{session.tuning.summary}; the forward only (DeepSpeed's or FSDP's hooks own the backward)"
 
 
 def _backward_dropped(value: torch.Tensor, parameters: list) -> None:
