@@ -124,15 +124,20 @@ class CountingCollator:
 
 class ActivationMeter:
     """Bytes of the tensors autograd saves for backward during one loss computation (the activation memory of a
-    step, device-independent and deterministic), max over steps. Wraps `trainer.compute_loss` on the instance."""
+    step, device-independent and deterministic), max over steps. Wraps `trainer.compute_loss` on the instance. The
+    step in which `"auto"` times its candidates (`trl_prefix_sharing.tuning`) is left out: those passes are not the
+    step's, and their saved tensors are freed before it runs."""
 
     def __init__(self, trainer):
         import torch
 
         self.peak = 0
         original = trainer.compute_loss
+        tuning = getattr(getattr(trainer, "sharing", None), "tuning", None)
 
         def compute_loss(*args, **kwargs):
+            if tuning is not None and tuning.pending:
+                return original(*args, **kwargs)
             storages = {}
 
             def pack(tensor):

@@ -3,6 +3,7 @@ examples start alike, and the cost model `"auto"` chooses by against the measure
 
     python scripts/benchmark_join.py --trainers dpo,grpo --out docs/benchmarks       # ~15 minutes on 2 cores
     python scripts/benchmark_join.py --trainers sft --name join_sft_cpu --out docs/benchmarks
+    python scripts/benchmark_join.py --render docs/benchmarks/join_cpu.json   # the markdown again, from a saved run
 
 Profiles (token lengths; every word of the synthetic texts is one token of the tiny tokenizer):
 
@@ -24,7 +25,8 @@ then the trainer's passes, DPO's reference pass included; GRPO: the training for
 included), warm-up first, then the variants' timed steps interleaved; the median is reported. Also reported: the
 positions each runs (its rows x width, padding included), the join `"auto"` chose, and the cost model's estimate
 (`trl_prefix_sharing.cost.StepCost`, multiply-adds of one forward) with the speedup it predicts next to the measured
-one. Writes `<name>.md` and `<name>.json` (default `join_cpu`) to `--out`.
+one, and a table of `"auto"` against the fixed choices (which one it ran as, the fastest, the ratios). Writes
+`<name>.md` and `<name>.json` (default `join_cpu`) to `--out`.
 """
 
 from __future__ import annotations
@@ -327,8 +329,42 @@ def write(all_results, args, command, device):
                 f"{r['step_s']:.3f} | {r['host_s']:.3f} | {r['measured_speedup']:.2f}x | "
                 f"{r['predicted_flex_speedup']:.2f}x |"
             )
+    lines += ["", *auto_summary(all_results)]
     with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def auto_summary(all_results) -> list[str]:
+    """`"auto"` beside the fixed choices: the fixed variant that ran the same join and kernel as its last timed step,
+    the fastest fixed variant, and its step time against stock's and that one's."""
+    fixed = [v for v in VARIANTS if v not in ("stock", "auto")]
+    lines = [
+        '`"auto"` against the fixed choices: the fixed variant that ran the join and kernel `"auto"` ran (its last '
+        "timed step), the fastest fixed variant, and the ratios of step times. Where the two are the same variant, "
+        "the last ratio is the spread of one configuration timed twice in the same run.",
+        "",
+        "| trainer | profile | auto ran as | fastest fixed | auto vs stock | auto vs fastest fixed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (trainer, profile), results in all_results.items():
+        auto = results["auto"]
+        same = [v for v in fixed if (results[v]["join"], results[v]["kernel"]) == (auto["join"], auto["kernel"])]
+        best = min(fixed, key=lambda v: results[v]["step_s"])
+        ran_as = "stock rows" if auto["kernel"] == "stock" else ", ".join(same) or f"{auto['join']}, {auto['kernel']}"
+        lines.append(
+            f"| {trainer.upper()} | {profile} | {ran_as} | {best} | "
+            f"{results['stock']['step_s'] / auto['step_s']:.2f}x | {results[best]['step_s'] / auto['step_s']:.2f}x |"
+        )
+    return lines
+
+
+def render(path):
+    """Write the markdown of a saved run again, from its JSON (`--render`)."""
+    with open(path) as f:
+        saved = json.load(f)
+    args = argparse.Namespace(**saved["args"])
+    results = {tuple(key.split("/", 1)): value for key, value in saved["results"].items()}
+    write(results, args, saved["command"], saved["device"])
 
 
 def main():
@@ -342,7 +378,10 @@ def main():
     parser.add_argument("--length-scale", type=float, default=1.0)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--render", metavar="JSON", help="write the markdown of a saved run again, and exit")
     args = parser.parse_args()
+    if args.render:
+        return render(args.render)
     trainers = args.trainers.split(",")
     profiles = args.profiles.split(",")
     for name, known in ((trainers, TRAINERS), (profiles, PROFILES)):

@@ -630,6 +630,23 @@ def test_expected_speedup_is_capped_at_the_ideal_with_padding(monkeypatch):
     assert lines == ["    no KTO benchmark recorded"] and values == []
 
 
+def test_expected_speedup_is_never_below_stock(monkeypatch):
+    """A profile measured slower than stock (short prompts on a fast device): training's `"auto"` runs stock's own
+    rows there, so the expectation is 1.00x, and the line gives what a fixed kernel would run."""
+    from trl_prefix_sharing.cli import stats
+
+    profile = {"p_over_c": 2.0, "sharing": 0.7, "sharing+packing": 0.8, "padded_ideal": 1.4}
+    monkeypatch.setattr(
+        stats, "measured_speedups", lambda: {"gpu": {"device": "H200", "model": "0.5B", "dpo": {"p": profile}}}
+    )
+    lines, values = stats.expected_speedups("dpo", 2.0, 1.3, 1.4)
+    assert values == [1.0] and "~1.00x" in lines[0]
+    assert "below stock's ~0.70x" in lines[0] and "runs stock's own rows" in lines[0]
+    profile["sharing"] = 1.2  # a faster one is as measured
+    lines, values = stats.expected_speedups("dpo", 2.0, 1.3, 1.4)
+    assert values == [pytest.approx(1.2)] and "stock's own rows" not in lines[0]
+
+
 def test_recorded_speedups_hold_the_ideal_with_padding():
     """Every recorded profile has its ideal with padding (stock / shared positions per pair of the same benchmark
     run, `docs/benchmarks/cpu.json`), and training reached at most that ideal: no expectation needs capping."""

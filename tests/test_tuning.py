@@ -5,6 +5,7 @@ run equals stock TRL's."""
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -29,15 +30,21 @@ from trl_prefix_sharing.tuning import STOCK, Candidate, Fit, Tuning
 
 class ScriptedTimer:
     """A clock that runs each timed call (so the measurement's calls are exercised) and says it took `seconds[name]`
-    (default 5 s); it records the candidates it timed."""
+    (default 5 s; a tuple: its calls' times in turn, the half of the rows first; an exception: raised); it records what
+    it timed."""
 
-    def __init__(self, seconds: dict[str, float]):
+    def __init__(self, seconds: dict):
         self.seconds, self.timed = seconds, []
 
     def measure(self, name, run, device):
         run()
+        seconds = self.seconds.get(name, 5.0)
+        if isinstance(seconds, tuple):
+            seconds = seconds[self.timed.count(name)]
         self.timed.append(name)
-        return self.seconds.get(name, 5.0)
+        if isinstance(seconds, Exception):
+            raise seconds
+        return seconds
 
 
 @pytest.fixture
@@ -77,6 +84,9 @@ def test_a_fit_through_two_sizes_gives_the_fixed_and_the_per_multiply_add_cost()
     assert Fit.through([(100.0, 0.5)]) == Fit(fixed=0.0, per_mac=0.005)  # one size: proportional
     noisy = Fit.through([(100.0, 0.5), (300.0, 0.4)])  # the larger was faster: all of it is fixed
     assert noisy == Fit(fixed=0.5, per_mac=0.0)
+    # the half slow for its size (a line with a negative fixed part): proportional through the whole, its time kept
+    steep = Fit.through([(70.0, 1.7), (100.0, 3.2)])
+    assert steep == Fit(fixed=0.0, per_mac=0.032) and steep.seconds(100.0) == pytest.approx(3.2)
 
 
 def _rows():
@@ -161,14 +171,43 @@ def test_dpo_equals_stock_whichever_candidate_wins(tmp_path, tokenizer, clock, k
     with caplog.at_level(logging.WARNING):
         results = train_and_evaluate(stock), train_and_evaluate(ours)
     assert_same_training(*results)
-    assert timer.timed == ["sdpa", "sdpa", "varlen", "varlen", STOCK, STOCK]  # each candidate: a batch, half of it
+    # each candidate's half of the rows; then the whole batch for the one whose half beat every whole (the winner)
+    assert timer.timed == ["sdpa", "varlen", STOCK, winner]
     # the first batches were laid out before the measurement (the preferred kernel); the rest by it
     trained = kernels_run[: 3 * 2]  # a training step prepares a batch for its loss and its reference pass
     assert trained[0] == "sdpa" and trained[-1] == winner, kernels_run
     assert set(kernels_run[4:]) == {winner}, kernels_run
     line = next(r.getMessage() for r in caplog.records if "measured a forward and backward" in r.getMessage())
     assert ("It runs as stock rows: sharing would cost" in line) == (winner == STOCK), line
-    assert "stock rows 5000.0 ms" in line or winner == STOCK
+    assert "stock rows more (its half of the rows took 5000.0 ms)" in line or winner == STOCK
+
+
+def test_a_candidate_is_run_on_the_whole_batch_unless_its_half_was_slower_than_a_whole(tmp_path, tokenizer, clock):
+    """The halves first, fastest first on the whole: varlen's half (1.5 s) beat sdpa's whole (2 s), so it runs the
+    whole too; stock's half (5 s) did not, so its constants come from its one point and the winner's slope."""
+    timer = clock({"sdpa": (1.0, 2.0), "varlen": (1.5, 2.5), STOCK: (5.0,)})
+    data = awkward_text_dataset()
+    stock, ours = make_trainers(tmp_path, "llama", data, tokenizer, eval_dataset=data, max_steps=2)
+    assert_same_training(train_and_evaluate(stock), train_and_evaluate(ours))
+    assert timer.timed == ["sdpa", "varlen", STOCK, "sdpa", "varlen"]
+    fits = ours.sharing.tuning.fits
+    assert fits["sdpa"].per_mac > 0 and fits[STOCK].per_mac == fits["sdpa"].per_mac
+    assert "sdpa 2000.0 ms, varlen 2500.0 ms, stock rows more (its half of the rows took 5000.0 ms)" in (
+        ours.sharing.tuning.summary
+    )
+    assert "It runs as sdpa, at least 2.50x stock's measured step" in ours.sharing.tuning.summary
+
+
+def test_candidates_close_to_the_fastest_are_timed_again_and_keep_their_faster_time(tmp_path, tokenizer, clock):
+    """varlen's whole batch (2.2 s) within 15% of sdpa's (2 s): both run it once more, and varlen's second time (1.9 s)
+    makes it the one chosen; each keeps its faster time."""
+    timer = clock({"sdpa": (1.0, 2.0, 2.2), "varlen": (1.5, 2.2, 1.9), STOCK: (5.0,)})
+    data = awkward_text_dataset()
+    stock, ours = make_trainers(tmp_path, "llama", data, tokenizer, eval_dataset=data, max_steps=2)
+    assert_same_training(train_and_evaluate(stock), train_and_evaluate(ours))
+    assert timer.timed == ["sdpa", "varlen", STOCK, "sdpa", "varlen", "sdpa", "varlen"]
+    assert "sdpa 2000.0 ms, varlen 1900.0 ms" in ours.sharing.tuning.summary
+    assert "It runs as varlen" in ours.sharing.tuning.summary
 
 
 def test_num_shared_tokens_counts_stock_rows_as_stock_computes_them(tmp_path, tokenizer, clock, monkeypatch):
@@ -241,3 +280,19 @@ def test_the_measurement_leaves_gradients_and_modes_as_they_were(tmp_path, token
     assert ours.sharing.tuning.fits and model.training
     assert all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in model.parameters())
     assert model.config._attn_implementation == "sdpa"  # the switch put back with the patches
+
+
+def test_a_candidate_out_of_memory_is_never_chosen_and_all_out_of_memory_is_an_error(tmp_path, tokenizer, clock):
+    """Stock's rows hold more activations than the shared ones: where they run out of memory in the measurement, the
+    run goes on with the kernels that fit, as stock TRL's numbers; where every candidate does, a clear error."""
+    clock({STOCK: torch.OutOfMemoryError("out of memory"), "varlen": 1.0})
+    data = awkward_text_dataset()
+    stock, ours = make_trainers(tmp_path, "llama", data, tokenizer, eval_dataset=data, max_steps=2)
+    assert_same_training(train_and_evaluate(stock), train_and_evaluate(ours))
+    assert ours.sharing.tuning.out_of_memory == {STOCK} and ours.sharing.tuning.fits[STOCK].seconds(1.0) == math.inf
+    assert "stock rows out of memory" in ours.sharing.tuning.summary
+    assert "It runs as varlen (stock's rows ran out of memory)" in ours.sharing.tuning.summary
+    clock({name: torch.OutOfMemoryError("out of memory") for name in ("sdpa", "varlen", STOCK)})
+    _, ours = make_trainers(tmp_path / "all", "llama", data, tokenizer, max_steps=1)
+    with pytest.raises(torch.OutOfMemoryError, match="every candidate .* ran out of memory on the first micro-batch"):
+        ours.train()

@@ -61,8 +61,9 @@ _SHARING_DOC = """
         block-sparse FlexAttention `BlockMask` (CUDA). `"sdpa"`: the same mask, dense, through
         `scaled_dot_product_attention` (any device). `"auto"`: measured on the device: at the first micro-batch every
         kernel that can run here (on CUDA varlen, FlexAttention and SDPA; elsewhere SDPA and varlen's reference) and,
-        with `prefix_sharing_join="auto"`, stock's own rows run a timed forward and backward (on the whole
-        micro-batch and on half of it), and every later micro-batch runs on the candidate of least predicted time
+        with `prefix_sharing_join="auto"`, stock's own rows run a timed forward and backward (on half of it, then on
+        the whole unless that half already took longer than another's whole), and every later micro-batch runs on the
+        candidate of least predicted time
         (a fixed cost per forward plus a cost per multiply-add, fitted per candidate); the start-up log says what was
         measured and chosen. With packing, or a vision-language model, `"auto"` takes the first of those kernels that
         can run. An explicit kernel that cannot run is an error naming why, and is never replaced. The trainer

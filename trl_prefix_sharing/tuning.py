@@ -17,10 +17,13 @@ All are exact, so the choice changes speed only. Each candidate's step is predic
 
 with `multiply-adds` its count under the kernel (`cost.StepCost`: positions, and every or only the visible query-key
 pairs) and `fixed` and `per_mac` measured on the device (`Fit`): in the start-up phase, each candidate runs a forward
-and a backward of the policy (its gradients dropped: every `.grad` is left as it was) on the
-first micro-batch and on its first half of rows, after a warm-up call where code compiles (CUDA, a compiled model),
-timed on the same clock (`Timer`: synchronised around the call on an accelerator, the wall clock on the CPU). Each
-later micro-batch takes the candidate of least predicted time. A fixed choice (a kernel or a join rule other than
+and a backward of the policy (its gradients dropped: every `.grad` is left as it was) on the first half of the first
+micro-batch's rows and on the whole micro-batch, after a warm-up call where code compiles (CUDA, a compiled model),
+timed on the same clock (`Timer`: synchronised around the call on an accelerator, the wall clock on the CPU). To keep
+the measurement cheap, a candidate whose half already took longer than another's whole micro-batch is not run on the
+whole (it cannot win there; its line is drawn through its one point with the fastest candidate's slope), and the
+candidates within 15% of the fastest on the whole are timed on it once more, each keeping its faster time. Each later
+micro-batch takes the candidate of least predicted time. A fixed choice (a kernel or a join rule other than
 `"auto"`) is never overridden: the candidates are then that kernel's layouts only, and stock rows are none of them.
 
 The measurement is per process (each rank chooses for its own micro-batch; every choice is exact) and is repeated
@@ -31,6 +34,7 @@ gradient a backward computes, so a backward outside the training step would be r
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -47,6 +51,9 @@ logger = logging.get_logger(__name__)
 
 #: the name of the candidate that runs stock's own rows (`Layout.kernel` of such a layout)
 STOCK = "stock"
+#: candidates whose whole micro-batch took at most this much longer than the fastest's are timed on it once more (one
+#: call's time on a busy host varies by about as much as close kernels differ)
+CLOSE = 0.15
 
 
 @dataclass(frozen=True)
@@ -81,14 +88,16 @@ class Fit:
 
     @classmethod
     def through(cls, points: list[tuple[float, float]]) -> Fit:
-        """The line through measured `(multiply-adds, seconds)` points: two of different sizes give both constants
-        (a slope that noise made negative: the larger point's time is all fixed); one gives a time proportional to
-        the work."""
+        """The line through measured `(multiply-adds, seconds)` points: two of different sizes give both constants.
+        Where noise bends it, it keeps the larger point (the size of a whole micro-batch, where the choice is made):
+        a slope made negative leaves the larger time all fixed, a fixed part made negative (the smaller point slow for
+        its size) leaves it all proportional to the work, as one point alone gives."""
         (small_macs, small), (macs, seconds) = sorted(points)[0], sorted(points)[-1]
         if macs > small_macs and seconds > small:
             per_mac = (seconds - small) / (macs - small_macs)
-            return cls(fixed=max(small - per_mac * small_macs, 0.0), per_mac=per_mac)
-        if len(points) > 1:
+            if small - per_mac * small_macs >= 0:
+                return cls(fixed=small - per_mac * small_macs, per_mac=per_mac)
+        elif len(points) > 1:
             return cls(fixed=max(seconds, small), per_mac=0.0)
         return cls(fixed=0.0, per_mac=seconds / max(macs, 1.0))
 
@@ -139,6 +148,8 @@ class Tuning:
     fits: dict[str, Fit] = field(default_factory=dict)
     #: what the start-up measurement found, for the start-up line (None until it ran)
     summary: str | None = None
+    #: the candidates that ran out of memory in the measurement (never chosen)
+    out_of_memory: set[str] = field(default_factory=set)
 
     @property
     def measures(self) -> bool:
@@ -175,8 +186,13 @@ class Tuning:
 
     # ----------------------------------------------------------------------------------------------- measuring
     def measure(self, run, layout_of, num_rows: int, device, compiles: bool) -> None:
-        """Time every candidate on the first micro-batch and on its first half of rows, and keep their fits (see the
-        module docstring); `summary` then says what was measured and chosen.
+        """Time every candidate on the first micro-batch's first half of rows, then on the whole micro-batch, and keep
+        their fits (see the module docstring); `summary` then says what was measured and chosen.
+
+        A candidate whose half already took longer than another's whole micro-batch cannot be chosen for this
+        micro-batch and is not run on it (stock's rows, where sharing saves much, cost the most): its fit is the line
+        through its one point with the slope of the fastest candidate's. Candidates within `CLOSE` of the fastest on
+        the whole micro-batch run it once more, and each keeps the faster of its two times.
 
         Args:
             run: `run(rows, layout)`: one forward and backward of the policy on the stock rows `rows` (indices)
@@ -185,38 +201,93 @@ class Tuning:
             num_rows: the micro-batch's stock rows.
             compiles: whether a first call compiles (CUDA, a compiled model): each shape runs once untimed first.
         """
-        timer, start = get_timer(), time.perf_counter()
-        subsets = [torch.arange(num_rows)] + ([torch.arange(num_rows // 2)] if num_rows >= 2 else [])
-        whole = {}
-        for candidate in self.candidates:
-            points = []
-            for rows in subsets:
-                layout = layout_of(candidate, rows)
+        timer, start, self.out_of_memory = get_timer(), time.perf_counter(), set()
+
+        def timed(candidate, rows):
+            layout = layout_of(candidate, rows)
+            try:
                 if compiles:
                     run(rows, layout)
-                seconds = timer.measure(candidate.name, lambda: run(rows, layout), device)  # noqa: B023
-                points.append((_macs(candidate, layout), seconds))
-            self.fits[candidate.name] = Fit.through(points)
-            whole[candidate.name] = points[0][1]
-        self.summary = self._summary(whole, time.perf_counter() - start)
+                return _macs(candidate, layout), timer.measure(candidate.name, lambda: run(rows, layout), device)
+            except torch.OutOfMemoryError:  # never chosen; its memory released below, outside the traceback's frames
+                self.out_of_memory.add(candidate.name)
+            _release(device)
+            return _macs(candidate, layout), math.inf
 
-    def _summary(self, whole: dict[str, float], spent: float) -> str:
-        timed = ", ".join(f"{_label(c)} {whole[c.name] * 1000:.1f} ms" for c in self.candidates)
-        best = min(self.candidates, key=lambda c: whole[c.name])
-        if best.is_stock:
-            shared = min(self.shared, key=lambda c: whole[c.name])
-            chosen = (
-                f"stock rows: sharing would cost {whole[shared.name] / whole[STOCK]:.2f}x here ({shared.name}, "
-                "the fastest shared kernel)"
+        half = {c.name: timed(c, torch.arange(num_rows // 2)) for c in self.candidates} if num_rows >= 2 else {}
+        whole = {}
+        for candidate in sorted(self.candidates, key=lambda c: half[c.name][1] if half else 0.0):
+            if not half or half[candidate.name][1] < min((w[1] for w in whole.values()), default=math.inf):
+                whole[candidate.name] = timed(candidate, torch.arange(num_rows))
+        fastest = min((w[1] for w in whole.values()), default=math.inf)
+        if math.isinf(fastest):
+            raise torch.OutOfMemoryError(
+                "Prefix sharing: every candidate of prefix_sharing_attn_implementation='auto' (the kernels that can "
+                f"run here{' and stock rows' if STOCK in half or STOCK in whole else ''}) ran out of memory on the "
+                "first micro-batch. Lower per_device_train_batch_size or max_length, or enable gradient_checkpointing."
             )
+        close = [c for c in self.candidates if c.name in whole and whole[c.name][1] <= fastest * (1 + CLOSE)]
+        for candidate in close if len(close) > 1 else ():  # timed again, each keeping its faster time
+            whole[candidate.name] = min(whole[candidate.name], timed(candidate, torch.arange(num_rows)), key=_seconds)
+        best = min(whole, key=lambda name: whole[name][1])
+        for candidate in self.candidates:
+            points = [p[candidate.name] for p in (whole, half) if candidate.name in p]
+            self.fits[candidate.name] = (
+                Fit(math.inf, 0.0) if candidate.name in self.out_of_memory else Fit.through(points)
+            )
+        for name in set(half) - set(whole) - self.out_of_memory:  # dominated: its one point, the fastest's slope
+            macs, seconds = half[name]
+            slope = self.fits[best].per_mac
+            fixed = seconds - slope * macs
+            self.fits[name] = Fit(fixed=fixed, per_mac=slope) if fixed >= 0 else Fit.through([half[name]])
+        self.summary = self._summary(whole, half, time.perf_counter() - start)
+
+    def _summary(self, whole: dict, half: dict, spent: float) -> str:
+        """The start-up line's text from the measured `(multiply-adds, seconds)` of each candidate's whole micro-batch
+        and first half of rows."""
+
+        def timing(c):
+            if c.name in self.out_of_memory:
+                return f"{_label(c)} out of memory"
+            if c.name in whole:
+                return f"{_label(c)} {whole[c.name][1] * 1000:.1f} ms"
+            return f"{_label(c)} more (its half of the rows took {half[c.name][1] * 1000:.1f} ms)"
+
+        best = next(c for c in self.candidates if c.name == min(whole, key=lambda name: whole[name][1]))
+        if best.is_stock and all(c.name in self.out_of_memory for c in self.shared):
+            chosen = "stock rows (every shared kernel ran out of memory)"
+        elif best.is_stock:
+            times = {c.name: (whole if c.name in whole else half)[c.name][1] for c in self.shared}
+            shared = min(times, key=times.get)
+            bound = "" if shared in whole else "at least "  # its half of the rows took longer than stock's whole
+            chosen = (
+                f"stock rows: sharing would cost {bound}{times[shared] / whole[STOCK][1]:.2f}x here ({shared}, the "
+                "fastest shared kernel)"
+            )
+        elif STOCK in self.out_of_memory:
+            chosen = f"{best.name} (stock's rows ran out of memory)"
         elif STOCK in whole:
-            chosen = f"{best.name}, {whole[STOCK] / whole[best.name]:.2f}x stock's measured step"
+            chosen = f"{best.name}, {whole[STOCK][1] / whole[best.name][1]:.2f}x stock's measured step"
+        elif STOCK in half:
+            chosen = f"{best.name}, at least {half[STOCK][1] / whole[best.name][1]:.2f}x stock's measured step"
         else:
             chosen = best.name
         return (
-            f"measured a forward and backward of the first micro-batch: {timed}. It runs as {chosen}; each "
-            f"micro-batch takes the candidate of least predicted time ({spent:.2f} s spent measuring)"
+            f"measured a forward and backward of the first micro-batch: {', '.join(map(timing, self.candidates))}. "
+            f"It runs as {chosen}; each micro-batch takes the candidate of least predicted time ({spent:.2f} s spent "
+            "measuring)"
         )
+
+
+def _release(device) -> None:
+    """Return the cached memory of `device` to it (after a candidate ran out of memory)."""
+    module = getattr(torch, torch.device(device).type, None)
+    if hasattr(module, "empty_cache"):
+        module.empty_cache()
+
+
+def _seconds(point: tuple[float, float]) -> float:
+    return point[1]
 
 
 def _label(candidate: Candidate) -> str:
@@ -224,6 +295,7 @@ def _label(candidate: Candidate) -> str:
 
 
 def _macs(candidate: Candidate, layout) -> float:
+    """The multiply-adds of `candidate`'s `layout` (`cost.StepCost`)."""
     num_rows, width = layout.input_ids.shape
     pairs = num_rows * width * width if candidate.is_stock else int(layout.visible_pairs)
     return candidate.cost.estimate(num_rows, width, pairs)

@@ -12,7 +12,9 @@ of `--per_device_train_batch_size`: the positions each really computes). The exp
 padding times the share of it that `scripts/benchmark.py --record` measured on the benchmark profile whose shared
 prefix/rest ratio is nearest to this dataset's (`trl_prefix_sharing/data/measured_speedups.json`, one entry per device
 kind measured); it is never printed above the ideal with padding, and where it is above the padding-free ideal its line
-says why (stock also computes its rows' padding, which the shared rows drop). The verdict takes the lowest of these.
+says why (stock also computes its rows' padding, which the shared rows drop). Nor is it printed below 1: where the
+nearest profile measured sharing slower than stock, training's `"auto"` (the default kernel choice) measures that on
+its first micro-batch and runs stock's own rows, and the line says so. The verdict takes the lowest of these.
 
 - `dpo`, `reward`: each pair's two rows (or a ranked example's K rows), through the trainer's collator; packing too.
 - `orpo`, `cpo`: TRL's experimental ORPO/CPO tokenization (`tokenize_row`: BOS added, EOS added, the completions cut to
@@ -136,6 +138,12 @@ def expected_speedups(kind: str, ratio: float, ideal: float, padded_ideal: float
                 f"; above the padding-free ideal {ideal:.2f}x because stock also computes its rows' padding "
                 "positions, which the shared rows drop"
             )
+        if expected < 1.0:  # measured slower than stock: training's `"auto"` (the default) runs stock's own rows
+            basis += (
+                f"; below stock's ~{expected:.2f}x, so training's prefix_sharing_attn_implementation=auto measures "
+                "that and runs stock's own rows (a fixed kernel would not)"
+            )
+            expected = 1.0
         values.append(expected)
         lines.append(f"    {mode.upper()} ({record['device']}; {record['model']}): ~{expected:.2f}x ({basis})")
     if not lines:
