@@ -31,22 +31,12 @@ def fresh_compilations():
     torch._dynamo.reset()
 
 
-class PreferredKernelTimer:
-    """The suite's clock for `"auto"`'s start-up measurement (`trl_prefix_sharing.tuning`): the kernel `"auto"`
-    prefers on the device is the fastest, then the others in that order, stock rows the slowest, so a test sees the
-    layouts of the preferred kernel (SDPA on the CPU) whatever this machine's timing. The timed call is not run
-    (tests of the measurement itself, `tests/test_tuning.py`, inject clocks that run it)."""
-
-    def measure(self, name, run, device):
-        from trl_prefix_sharing.attention import _auto_candidates
-
-        order = _auto_candidates(device)
-        return 1.0 + order.index(name) if name in order else 10.0
-
-
 @pytest.fixture(autouse=True)
 def preferred_kernel_timer():
+    """The suite's clock for `"auto"`: the preferred kernel (SDPA on the CPU) wins whatever this machine's timing, and
+    the timed call is not run (tests of the measurement itself, `tests/test_tuning.py`, inject clocks that run it)."""
     from trl_prefix_sharing import tuning
+    from trl_prefix_sharing.testing import PreferredKernelTimer
 
     old = tuning.set_timer(PreferredKernelTimer())
     yield

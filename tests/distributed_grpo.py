@@ -19,20 +19,7 @@ from distributed_train import finish  # noqa: E402
 from group_equivalence import make_group_trainer, prompt_dataset, save_model  # noqa: E402
 
 from trl_prefix_sharing import tuning  # noqa: E402
-from trl_prefix_sharing.testing import make_tokenizer  # noqa: E402
-
-
-class PreferredKernelClock:
-    """`"auto"`'s clock here: each timed call runs (the measurement under two processes), and the kernel `"auto"`
-    prefers on this device is reported fastest, stock's rows slowest, so that the positions the test compares are the
-    shared layout's whatever this machine's timing."""
-
-    def measure(self, name, run, device):
-        from trl_prefix_sharing.attention import _auto_candidates
-
-        run()
-        order = _auto_candidates(device)
-        return 1.0 + order.index(name) if name in order else 10.0
+from trl_prefix_sharing.testing import PreferredKernelTimer, make_tokenizer  # noqa: E402
 
 
 def main():
@@ -61,7 +48,7 @@ def main():
         max_steps=2,
         beta=0.1,
     )
-    tuning.set_timer(PreferredKernelClock())
+    tuning.set_timer(PreferredKernelTimer(runs=True))  # measured in two processes; the positions compared: shared
     torch.manual_seed(0)
     trainer.train()
     rank = trainer.args.process_index

@@ -31,6 +31,7 @@ __all__ = [
     "load_demo_chat",
     "synthetic_pairs",
     "synthetic_prompts",
+    "PreferredKernelTimer",
 ]
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -626,3 +627,24 @@ def synthetic_prompts(
         prompt = _words(rng, prompt_len if isinstance(prompt_len, int) else rng.randint(*prompt_len))
         rows.append({"prompt": [{"role": "user", "content": prompt}] if conversational else prompt})
     return Dataset.from_list(rows)
+
+
+class PreferredKernelTimer:
+    """A clock for `"auto"`'s start-up measurement (`trl_prefix_sharing.tuning.set_timer`) that makes its choice
+    independent of the machine's timing: the kernel `"auto"` prefers on the device is reported fastest, then the others
+    in that order, stock's rows slowest, so a run lays out the preferred kernel's rows.
+
+    Args:
+        runs: whether each timed call is run (the measurement exercised, e.g. under several processes), or skipped.
+    """
+
+    def __init__(self, runs: bool = False):
+        self.runs = runs
+
+    def measure(self, name, run, device):
+        from trl_prefix_sharing.attention import _auto_candidates
+
+        if self.runs:
+            run()
+        order = _auto_candidates(device)
+        return 1.0 + order.index(name) if name in order else 10.0
