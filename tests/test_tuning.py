@@ -198,16 +198,128 @@ def test_a_candidate_is_run_on_the_whole_batch_unless_its_half_was_slower_than_a
     assert "It runs as sdpa, at least 2.50x stock's measured step" in ours.sharing.tuning.summary
 
 
-def test_candidates_close_to_the_fastest_are_timed_again_and_keep_their_faster_time(tmp_path, tokenizer, clock):
-    """varlen's whole batch (2.2 s) within 15% of sdpa's (2 s): both run it once more, and varlen's second time (1.9 s)
-    makes it the one chosen; each keeps its faster time."""
-    timer = clock({"sdpa": (1.0, 2.0, 2.2), "varlen": (1.5, 2.2, 1.9), STOCK: (5.0,)})
+class StepTimer(ScriptedTimer):
+    """A `ScriptedTimer` that also times the training steps: a step of candidate `name` took `steps[name]` seconds
+    (a list: its steps' times in turn), read once `lag` later marks were made (a device that had not reached the end
+    of a step yet says None)."""
+
+    def __init__(self, seconds: dict, steps: dict, lag: int = 0):
+        super().__init__(seconds)
+        self.steps, self.lag, self.marks, self.read = steps, lag, 0, []
+
+    def mark(self, device):
+        self.marks += 1
+        return self.marks
+
+    def elapsed(self, name, start, end):
+        if self.marks - end < self.lag:
+            return None
+        seconds = self.steps[name]
+        if isinstance(seconds, list):
+            seconds = seconds[[n for n, _ in self.read].count(name) % len(seconds)]
+        self.read.append((name, seconds))
+        return seconds
+
+
+def _train_steps(tuning_, timer, layouts: int) -> list:
+    """Lay out `layouts` micro-batches of `_rows()` as `tuning_` chooses, each timed as a training step; returns
+    their kernels."""
+    ids, mask, examples = _rows()
+    tuning.set_timer(timer)
+    kernels = []
+    for _ in range(layouts):
+        layout = build_layout(ids, mask, examples=examples, join="auto", tuning=tuning_)
+        tuning_.tick(layout, "cpu")
+        kernels.append(layout.kernel)
+    return kernels
+
+
+def test_close_candidates_take_turns_then_the_least_corrected_time_wins(clock):
+    """sdpa and varlen measured close (sdpa ahead), stock far behind: the training micro-batches go to sdpa and varlen
+    in turn, SAMPLES each; varlen's steps took less than sdpa's for what was predicted, so it wins from then on."""
+    fits = {"sdpa": Fit(fixed=1.0, per_mac=0.0), "varlen": Fit(fixed=1.1, per_mac=0.0), STOCK: Fit(9.0, 0.0)}
+    tuning_ = _tuning(fits)
+    tuning_.contenders, tuning_.first = ("sdpa", "varlen"), {"sdpa": 1.0, "varlen": 1.0}
+    reports = []
+    tuning_.report = reports.append
+    clock({})  # the fixture puts the suite's clock back after
+    timer = StepTimer({}, steps={"sdpa": 3.0, "varlen": 2.2})
+    kernels = _train_steps(tuning_, timer, 2 * tuning.SAMPLES + 4)
+    assert kernels[: 2 * tuning.SAMPLES] == ["sdpa", "varlen"] * tuning.SAMPLES
+    assert set(kernels[2 * tuning.SAMPLES + 1 :]) == {"varlen"}, kernels  # one step more: the last turn read
+    corrections = tuning_.steps.corrections()  # observed/predicted: sdpa 3.0, varlen 2.0
+    assert corrections["sdpa"] == pytest.approx(1.5) and corrections["varlen"] == pytest.approx(1.0)
+    assert STOCK not in corrections and tuning_.predict(STOCK, 1.0) == 9.0  # never timed: its fit
+    assert reports == [tuning_.refined] and "sdpa 3000.0 ms, varlen 2200.0 ms" in reports[0]
+    assert "corrected by 1.50x (sdpa), 1.00x (varlen)" in reports[0] and "varlen on one like the first" in reports[0]
+    # a wrong attribution (each step's time given to the kernel of the step after it) would have flipped the choice
+    assert [name for name, _ in timer.read][:2] == ["sdpa", "varlen"]
+
+
+def test_a_step_is_timed_once_read_without_waiting_and_never_across_a_pause_or_a_stop(clock):
+    fits = {"sdpa": Fit(fixed=1.0, per_mac=0.0), "varlen": Fit(fixed=1.1, per_mac=0.0), STOCK: Fit(9.0, 0.0)}
+    tuning_ = _tuning(fits)
+    clock({})
+    timer = StepTimer({}, steps={"sdpa": 1.0, "varlen": 1.0}, lag=2)  # a device two marks behind
+    _train_steps(tuning_, timer, 3)
+    assert len(timer.read) == 0 and len(tuning_.steps._unread) == 2  # not read yet: nothing waits for the device
+    ids, mask, examples = _rows()
+    layout = build_layout(ids, mask, examples=examples, join="auto", tuning=tuning_)
+    tuning_.tick(layout, "cpu")
+    tuning_.tick(layout, "cpu")  # the same micro-batch again (one step): no mark
+    assert timer.marks == 4 and len(timer.read) == 1
+    tuning_.steps.stop()  # the end of train(): the step in progress is not one
+    assert tuning_.steps._open is None
+    with tuning_.steps.paused():
+        tuning_.tick(build_layout(ids, mask, examples=examples, join="auto", tuning=tuning_), "cpu")
+    assert timer.marks == 4 and tuning_.steps._open is None
+    unmeasured = build_layout(ids, mask, examples=examples, join="auto", tuning=_tuning({}))
+    assert unmeasured.macs is None  # laid out before the measurement: nothing to time it against
+    tuning_.tick(unmeasured, "cpu")
+    assert tuning_.steps._open is None
+
+
+def test_a_generation_inside_a_step_is_left_out_of_its_time(clock):
+    class Clock(ScriptedTimer):  # marks are the times set by the test
+        now = 0.0
+
+        def mark(self, device):
+            return self.now
+
+        def elapsed(self, name, start, end):
+            return end - start
+
+    tuning_ = _tuning({name: Fit(fixed=1.0, per_mac=0.0) for name in ("sdpa", "varlen", STOCK)})
+    clock({})
+    timer = Clock({})
+    tuning.set_timer(timer)
+    ids, mask, examples = _rows()
+    tuning_.tick(build_layout(ids, mask, examples=examples, join="auto", tuning=tuning_), "cpu")
+    timer.now = 5.0
+    with tuning_.steps.excluding():  # 4 s of generation
+        timer.now = 9.0
+    timer.now = 10.0
+    tuning_.tick(build_layout(ids, mask, examples=examples, join="auto", tuning=tuning_), "cpu")
+    assert [seconds for seconds, _ in tuning_.steps.samples["sdpa"]] == [6.0]
+
+
+def test_dpo_equals_stock_while_close_candidates_take_turns(tmp_path, tokenizer, clock, kernels_run, caplog):
+    """The real training steps, timed: sdpa and varlen measured close, each trains its micro-batches in turn; the run
+    equals stock TRL's, and the line says what the steps measured (eval passes are not timed)."""
+    timer = StepTimer({"sdpa": 1.0, "varlen": 1.2}, steps={"sdpa": 2.0, "varlen": 1.0})
+    tuning.set_timer(timer)
     data = awkward_text_dataset()
-    stock, ours = make_trainers(tmp_path, "llama", data, tokenizer, eval_dataset=data, max_steps=2)
-    assert_same_training(train_and_evaluate(stock), train_and_evaluate(ours))
-    assert timer.timed == ["sdpa", "varlen", STOCK, "sdpa", "varlen", "sdpa", "varlen"]
-    assert "sdpa 2000.0 ms, varlen 1900.0 ms" in ours.sharing.tuning.summary
-    assert "It runs as varlen" in ours.sharing.tuning.summary
+    stock, ours = make_trainers(tmp_path, "llama", data, tokenizer, eval_dataset=data, max_steps=10)
+    with caplog.at_level(logging.WARNING):
+        assert_same_training(train_and_evaluate(stock), train_and_evaluate(ours))
+    assert ours.sharing.tuning.contenders == ("sdpa", "varlen")
+    assert "sdpa and varlen within 30% of the fastest" in ours.sharing.tuning.summary
+    read = [name for name, _ in timer.read]
+    assert read.count("sdpa") >= tuning.SAMPLES and read.count("varlen") >= tuning.SAMPLES, read
+    assert len(read) <= 10 - 2  # training steps only (the first two laid out before the measurement)
+    assert {"sdpa", "varlen"} <= set(kernels_run)
+    line = next(r.getMessage() for r in caplog.records if "training micro-batches" in r.getMessage())
+    assert "sdpa 2000.0 ms, varlen 1000.0 ms" in line and "varlen on one like the first" in line, line
 
 
 def test_num_shared_tokens_counts_stock_rows_as_stock_computes_them(tmp_path, tokenizer, clock, monkeypatch):

@@ -62,16 +62,16 @@ _SHARING_DOC = """
         `scaled_dot_product_attention` (any device). `"auto"`: measured on the device: at the first micro-batch every
         kernel that can run here (on CUDA varlen, FlexAttention and SDPA; elsewhere SDPA and varlen's reference) and,
         with `prefix_sharing_join="auto"`, stock's own rows run a timed forward and backward (on half of it, then on
-        the whole unless that half already took longer than another's whole), and every later micro-batch runs on the
-        candidate of least predicted time
-        (a fixed cost per forward plus a cost per multiply-add, fitted per candidate); the start-up log says what was
-        measured and chosen. With packing, or a vision-language model, `"auto"` takes the first of those kernels that
-        can run. An explicit kernel that cannot run is an error naming why, and is never replaced. The trainer
-        switches the attention implementation of the models it holds for the length of `train()`/`evaluate()`
-        (varlen registers `"prefix_sharing_varlen"` with transformers' `AttentionInterface`);
-        saved configs never name it. Under FlexAttention the shared rows' width is rounded up to a multiple of 128
-        (its block size) unless `pad_to_multiple_of` is set (`1`: no rounding), so its compiled kernels see few
-        distinct shapes; varlen's one row is never padded.
+        the whole unless that half already took 30% longer than another's whole), and every later micro-batch runs on
+        the candidate of least predicted time (a fixed cost per forward plus a cost per multiply-add, fitted per
+        candidate, corrected by the timed training steps; the candidates within 30% of the fastest train 3
+        micro-batches each first); the log says what was measured and chosen. With packing, or a vision-language model,
+        `"auto"` takes the first of those kernels that can run. An explicit kernel that cannot run is an error naming
+        why, and is never replaced. The trainer switches the attention implementation of the models it holds for the
+        length of `train()`/`evaluate()` (varlen registers `"prefix_sharing_varlen"` with transformers'
+        `AttentionInterface`); saved configs never name it. Under FlexAttention the shared rows' width is rounded up to
+        a multiple of 128 (its block size) unless `pad_to_multiple_of` is set (`1`: no rounding), so its compiled
+        kernels see few distinct shapes; varlen's one row is never padded.
 """
 
 _PACKING_DOC = """

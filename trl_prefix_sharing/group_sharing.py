@@ -177,5 +177,9 @@ class GroupSharingTrainerMixin(PrefixSharingMixin):
     def _prepare_inputs(self, generation_batch):
         if not (self.prefix_sharing and self.model.training):
             return super()._prepare_inputs(generation_batch)
-        with replaced_function(self._trl_module, "shuffle_sequence_dict", shuffle_keeping_groups):
+        # the generation it may run is left out of the training step `"auto"` times (`tuning.TrainingSteps.excluding`)
+        with (
+            replaced_function(self._trl_module, "shuffle_sequence_dict", shuffle_keeping_groups),
+            self.sharing.tuning.steps.excluding(),
+        ):
             return super()._prepare_inputs(generation_batch)

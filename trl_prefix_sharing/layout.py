@@ -45,6 +45,7 @@ shape.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
@@ -115,6 +116,9 @@ class Layout:
         kernel: the attention backend these rows were laid out for (`attention.BACKENDS`; `"stock"`: stock's own
             rows, run by the model's own forward and attention), or None where the session's one backend runs every
             layout.
+        macs: the multiply-adds of a forward over these rows under `kernel`'s cost model (`cost.StepCost`), where
+            `"auto"` chose them by measured costs (their training step is timed against it: `tuning.Tuning.tick`),
+            else None.
     """
 
     input_ids: torch.Tensor
@@ -129,6 +133,7 @@ class Layout:
     join: str = "prompts"
     segments: tuple[Segments, ...] | None = None
     kernel: str | None = None
+    macs: float | None = None
 
     @property
     def is_stock(self) -> bool:
@@ -716,9 +721,14 @@ def build_layout(
                 else tuning.estimate(candidate, shape[0], shape[1], shape[3])
             )
             options.append((float("inf") if isinstance(shape, ValueError) else estimate, candidate, number, shape))
-    _, candidate, number, shape = min(options, key=lambda option: option[0])  # the first on a tie
+    explore = tuning.exploring() if tuning.fits else None  # a close candidate's turn (`tuning.Tuning.exploring`)
+    turn = [option for option in options if option[1].name == explore and math.isfinite(option[0])]
+    _, candidate, number, shape = min(turn or options, key=lambda option: option[0])  # the first on a tie
+    macs = _chosen_macs(candidate, input_ids, shape) if tuning.fits else None
     if candidate.is_stock:
-        return stock_layout(input_ids, attention_mask, check=check)
+        layout = stock_layout(input_ids, attention_mask, check=check)
+        layout.macs = macs
+        return layout
     if isinstance(shape, ValueError):  # no plan fits the rows
         if plans[number].join != "always":
             raise shape
@@ -734,7 +744,16 @@ def build_layout(
     layout.check = check
     layout.join = plans[number].join
     layout.kernel = candidate.name
+    layout.macs = macs
     return layout
+
+
+def _chosen_macs(candidate, input_ids: torch.Tensor, shape) -> float:
+    """The multiply-adds of the chosen candidate's rows (`cost.StepCost`): stock's `input_ids`, or a plan's `shape`."""
+    if candidate.is_stock:
+        num, width = input_ids.shape
+        return candidate.cost.estimate(num, width, num * width * width)
+    return candidate.cost.estimate(shape[0], shape[1], shape[3])
 
 
 def stock_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, check: bool = True) -> Layout:

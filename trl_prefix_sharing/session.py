@@ -88,7 +88,7 @@ class PrefixSharingSession:
         #: a trainer whose TRL code calls its models without a layout sets this: `router(model, kwargs)` gives the
         #: layout of a fused call's rows, a finished output, or None (see `install_prefix_sharing_forward`)
         self.router = None
-        self.patches = ModelPatches(self.models, fuse_lm_head, autocast, self._route)
+        self.patches = ModelPatches(self.models, fuse_lm_head, autocast, self._route, self.tuning)
         self._layouts = _LayoutCache()
 
     @property
@@ -206,11 +206,14 @@ class ModelPatches:
         fuse_lm_head: add TRL's fused log-prob head first (see `PrefixSharingSession`).
         autocast: accelerate's autocast, for a forward accelerate already wrapped.
         route: the session's router (see `install_prefix_sharing_forward`).
+        tuning: the session's `tuning.Tuning`, whose clock times every training forward of the policy (`use`), or
+            None.
     """
 
-    def __init__(self, models, fuse_lm_head, autocast, route):
+    def __init__(self, models, fuse_lm_head, autocast, route, tuning=None):
         self.models = models
         self.fuse_lm_head, self.autocast, self.route = fuse_lm_head, autocast, route
+        self.tuning = tuning
         self.attached = False
         self._switch = AttentionSwitch()
 
@@ -236,9 +239,12 @@ class ModelPatches:
 
     def use(self, model, layout: Layout) -> None:
         """Before a call of `model` on `layout`: the attention implementation its rows were laid out for (stock
-        rows: the model's own), where the session chooses the kernel per micro-batch (`Layout.kernel`)."""
+        rows: the model's own), where the session chooses the kernel per micro-batch (`Layout.kernel`); a training
+        forward of the policy starts a step `"auto"` times (`tuning.Tuning.tick`)."""
         if layout.kernel is not None:
             self._switch.use(model, None if layout.is_stock else BACKENDS[layout.kernel].attn_implementation)
+        if self.tuning is not None and model is self.models[0] and model.training and torch.is_grad_enabled():
+            self.tuning.tick(layout, layout.input_ids.device)  # a training step of the policy starts
 
     def detach(self) -> None:
         """Undo the patches of `attach`: the models run on their own attention implementation and generate as
@@ -250,6 +256,8 @@ class ModelPatches:
                 put_back_own(model, "forward", _UNFUSED)
         self._switch.restore()
         self.attached = False
+        if self.tuning is not None:
+            self.tuning.steps.stop()  # what follows is not a training step
 
 
 class _LayoutCache:

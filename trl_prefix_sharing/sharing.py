@@ -60,6 +60,9 @@ def _measure(trainer, input_ids, attention_mask, prompt_lengths, examples) -> No
     summary = measure_session(trainer.sharing, input_ids, attention_mask, prompt_lengths, examples, not wrapped)
     if trainer.args.should_log:
         logger.warning(f"Prefix sharing ('auto' on {input_ids.device.type}): {summary}.")
+        # and, once the close candidates trained their micro-batches, what those steps measured (`Tuning.tick`)
+        device = input_ids.device.type
+        trainer.sharing.tuning.report = lambda text: logger.warning(f"Prefix sharing ('auto' on {device}): {text}.")
 
 
 class _ForwardInPlace(TrainerCallback):

@@ -641,6 +641,10 @@ class PreferredKernelTimer:
     def __init__(self, runs: bool = False):
         self.runs = runs
 
+    def warm_up(self, name, run, device):
+        if self.runs:
+            run()
+
     def measure(self, name, run, device):
         from trl_prefix_sharing.attention import _auto_candidates
 
