@@ -19,7 +19,8 @@ shared start at the same positions; SFT: 2 prompts x 4 completions, as rejection
 Variants: stock TRL; the fixed choices `"prompts"` and `"always"` on the dense mask (SDPA), and `"varlen"` (the varlen
 kernel, its reference on the CPU, with the join its multiply-add count prefers); and `"auto"` for both options, which
 measures every candidate (the kernels that can run, and stock's own rows) in its first step and then runs each
-micro-batch on the one of least predicted time (`trl_prefix_sharing.tuning`). Each variant runs the trainer's own loss
+micro-batch on the one of least predicted time (`trl_prefix_sharing.tuning`; its close candidates take their turns
+in its warm-up steps, which last until they have). Each variant runs the trainer's own loss
 and backward on the same micro-batch (DPO and SFT: collation with the layout,
 then the trainer's passes, DPO's reference pass included; GRPO: the training forward on the generated rows, layout
 included), warm-up first, then the variants' timed steps interleaved; the median is reported. Also reported: the
@@ -236,6 +237,7 @@ def layout_of(trainer_name, trainer, variant, made):
 
 def run(trainer_name, profile, model, tokenizer, args, tmp):
     from trl_prefix_sharing.cost import StepCost
+    from trl_prefix_sharing.tuning import SAMPLES
 
     cost, flex = StepCost.of_model(model, dense=True), StepCost.of_model(model, dense=False)
     dataset, rows, batch = None, None, 16  # GRPO: `examples` prompts x 4 generations
@@ -253,12 +255,19 @@ def run(trainer_name, profile, model, tokenizer, args, tmp):
     host = {v: [] for v in VARIANTS}
     model_time = {v: [] for v in VARIANTS}
     made = {}
-    for variant in VARIANTS:  # warm-up
+    for variant in VARIANTS:  # warm-up; `"auto"`'s until its close candidates took their turns, and one step more
         made[variant] = step(trainers[variant], inputs[variant])[2]
+        tuning = trainers[variant].sharing.tuning if variant != "stock" else None
+        for _ in range(len(tuning.contenders) * SAMPLES + 1 if tuning is not None else 0):  # bounded
+            if tuning.settled and tuning.refined is not None:
+                break
+            made[variant] = step(trainers[variant], inputs[variant])[2]
     for repeat in range(args.repeats):
         order = VARIANTS[repeat % len(VARIANTS) :] + VARIANTS[: repeat % len(VARIANTS)]
         for variant in order:
             h, m, made[variant] = step(trainers[variant], inputs[variant])  # the last step's layout is reported
+            if variant != "stock":  # the next step of this variant does not follow this one: not timed across
+                trainers[variant].sharing.tuning.steps.stop()
             host[variant].append(h)
             model_time[variant].append(m)
     results = {}

@@ -244,7 +244,9 @@ def test_close_candidates_take_turns_then_the_least_corrected_time_wins(clock):
     tuning_.report = reports.append
     clock({})  # the fixture puts the suite's clock back after
     timer = StepTimer({}, steps={"sdpa": 3.0, "varlen": 2.2})
+    assert not tuning_.settled
     kernels = _train_steps(tuning_, timer, 2 * tuning.SAMPLES + 4)
+    assert tuning_.settled
     assert kernels[: 2 * tuning.SAMPLES] == ["sdpa", "varlen"] * tuning.SAMPLES
     assert set(kernels[2 * tuning.SAMPLES + 1 :]) == {"varlen"}, kernels  # one step more: the last turn read
     corrections = tuning_.steps.corrections()  # observed/predicted: sdpa 3.0, varlen 2.0

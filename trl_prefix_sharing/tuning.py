@@ -312,6 +312,10 @@ class Tuning:
         training micro-batches (`TrainingSteps.corrections`)."""
         return self.fits[name].seconds(macs) * self.steps.corrections().get(name, 1.0)
 
+    @property
+    def settled(self) -> bool:  # the close candidates took their turns (`exploring`)
+        return all(self._explored[name] >= SAMPLES for name in self.contenders)
+
     def exploring(self) -> str | None:
         """The contender the next micro-batch is laid out for while the close candidates take their turns (the one
         with the fewest so far), else None (the least predicted time chooses). Counts the turn."""
