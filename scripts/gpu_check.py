@@ -638,6 +638,8 @@ def bench_variant(kind, variant, model, tokenizer, dataset, settings, clock, tmp
         "attn_implementation": trainer.sharing.backend.name if getattr(trainer, "sharing", None) else "sdpa",
         # `"auto"`: what it measured at start-up and chose (`trl_prefix_sharing.tuning`), None for a fixed kernel
         "auto_measured": trainer.sharing.tuning.summary if getattr(trainer, "sharing", None) else None,
+        # and what its timed training steps measured, once its close candidates took their turns (else None)
+        "auto_training_steps": trainer.sharing.tuning.refined if getattr(trainer, "sharing", None) else None,
         "kernels_run": dict(clock.kernels),  # micro-batches per kernel that ran them (stock: none laid out)
         "compiled_variants": compiled_variants(),
         "profile": profile,
@@ -873,6 +875,7 @@ def bench_grpo(profile, model, tokenizer, settings, clock, tmp, g=8) -> dict:
             ),
             "attn_implementation": trainers["sharing"].sharing.backend.name,
             "auto_measured": trainers["sharing"].sharing.tuning.summary,
+            "auto_training_steps": trainers["sharing"].sharing.tuning.refined,
             "compiled_variants": compiled_variants(),
             **monitor,
         }
