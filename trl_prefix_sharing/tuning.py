@@ -28,7 +28,7 @@ One timed call is noisy (on a busy host, by tens of percent), so the training st
 no cost of their own: each micro-batch of the policy's training forward is timed on the same clock, from its forward to
 the next one's (CUDA events, read once they completed, without a synchronisation; the wall clock on the CPU), and a
 candidate's prediction is corrected by the median of its last observed/predicted ratios, relative to the least such
-ratio (`Tuning.tick`, `Tuning.corrections`). The
+ratio (`Tuning.tick`, `TrainingSteps.corrections`). The
 candidates whose whole micro-batch took within `EXPLORE` of the fastest's (the close ones, which noise could have
 ranked wrongly) each train `SAMPLES` micro-batches first, in turn (every candidate is exact: the steps are the run's
 own, only their speed differs); a line then says what the steps measured. Each later micro-batch takes the candidate of
@@ -206,7 +206,7 @@ class TrainingSteps:
             return
         mark = _mark(device)
         if self._open is not None and mark is not None:
-            self._unread.append((*self._open[1:], mark))
+            self._unread.append((*self._open[1:5], mark))  # name, predicted, start, spans left out, end
         self._open = None
         if mark is not None and predicted is not None:
             self._open = (weakref.ref(layout), layout.kernel, predicted, mark, [], device)
@@ -241,10 +241,10 @@ class TrainingSteps:
     def _read(self) -> None:
         """Observe the timed steps whose end the device has reached."""
         unread, self._unread = self._unread, []
-        for name, predicted, start, excluded, device, end in unread:
+        for name, predicted, start, excluded, end in unread:
             spans = [get_timer().elapsed(name, a, b) for a, b in [(start, end), *excluded]]
             if any(span is None for span in spans):
-                self._unread.append((name, predicted, start, excluded, device, end))
+                self._unread.append((name, predicted, start, excluded, end))
             elif predicted > 0 and math.isfinite(predicted):
                 self.samples.setdefault(name, deque(maxlen=WINDOW)).append((spans[0] - sum(spans[1:]), predicted))
 
