@@ -1,7 +1,7 @@
 """Sharing across examples (`prefix_sharing_join`): stock TRL vs `"prompts"` vs `"always"` vs `"auto"` on data whose
 examples start alike, and the cost model `"auto"` chooses by against the measured step times.
 
-    python scripts/benchmark_join.py --trainers dpo,grpo --out docs/benchmarks       # ~15 minutes on 2 cores
+    python scripts/benchmark_join.py --trainers dpo,grpo --out docs/benchmarks       # ~30 minutes on 2 cores
     python scripts/benchmark_join.py --trainers sft --name join_sft_cpu --out docs/benchmarks
     python scripts/benchmark_join.py --render docs/benchmarks/join_cpu.json   # the markdown again, from a saved run
 
@@ -20,10 +20,10 @@ Variants: stock TRL; the fixed choices `"prompts"` and `"always"` on the dense m
 kernel, its reference on the CPU, with the join its multiply-add count prefers); and `"auto"` for both options, which
 measures every candidate (the kernels that can run, and stock's own rows) in its first step and then runs each
 micro-batch on the one of least predicted time (`trl_prefix_sharing.tuning`; its close candidates take their turns
-in its warm-up steps, which last until they have). Each variant runs the trainer's own loss
-and backward on the same micro-batch (DPO and SFT: collation with the layout,
-then the trainer's passes, DPO's reference pass included; GRPO: the training forward on the generated rows, layout
-included), warm-up first, then the variants' timed steps interleaved; the median is reported. Also reported: the
+in its warm-up steps, which last until they have). Each variant runs the trainer's own loss and backward on the same
+micro-batch (DPO and SFT: collation with the layout, then the trainer's passes, DPO's reference pass included; GRPO:
+the training forward on the generated rows, layout included), two warm-up steps first (`"auto"`: until its turns are
+done), then the variants' timed steps interleaved; the median is reported, with the range. Also reported: the
 positions each runs (its rows x width, padding included), the join `"auto"` chose, and the cost model's estimate
 (`trl_prefix_sharing.cost.StepCost`, multiply-adds of one forward) with the speedup it predicts next to the measured
 one, and a table of `"auto"` against the fixed choices (which one it ran as, the fastest, the ratios). Writes
@@ -255,11 +255,10 @@ def run(trainer_name, profile, model, tokenizer, args, tmp):
     host = {v: [] for v in VARIANTS}
     model_time = {v: [] for v in VARIANTS}
     made = {}
-    for variant in VARIANTS:  # warm-up; `"auto"`'s until its close candidates took their turns, and one step more
-        made[variant] = step(trainers[variant], inputs[variant])[2]
+    for variant in VARIANTS:  # warm-up: two steps; `"auto"`'s until its close candidates took their turns, one more
         tuning = trainers[variant].sharing.tuning if variant != "stock" else None
-        for _ in range(len(tuning.contenders) * SAMPLES + 1 if tuning is not None else 0):  # bounded
-            if tuning.settled and tuning.refined is not None:
+        for i in range(2 + (len(tuning.contenders) * SAMPLES if tuning is not None else 0)):  # bounded
+            if i >= 2 and tuning.settled and tuning.refined is not None:
                 break
             made[variant] = step(trainers[variant], inputs[variant])[2]
     for repeat in range(args.repeats):
@@ -286,12 +285,14 @@ def run(trainer_name, profile, model, tokenizer, args, tmp):
             "kernel": (layout.kernel or trainer.sharing.backend.name) if layout is not None else None,
             # `"auto"`: what its start-up measurement timed and chose (`trl_prefix_sharing.tuning`)
             "measured": trainer.sharing.tuning.summary if variant != "stock" else None,
+            "refined": trainer.sharing.tuning.refined if variant != "stock" else None,  # what its turns measured
             "visible_pairs": pairs_seen,
             "estimate": cost.estimate(num_rows, width, pairs_seen),
             # FlexAttention (not run here): the visible pairs only; stock as a causal kernel runs it, half its rows'
             "estimate_flex": flex.estimate(num_rows, width, pairs_seen),
             "host_s": statistics.median(host[variant]),
             "step_s": statistics.median(host[variant][i] + model_time[variant][i] for i in range(args.repeats)),
+            "steps_s": [round(host[variant][i] + model_time[variant][i], 4) for i in range(args.repeats)],
         }
         if variant != "stock":
             trainer.sharing.detach()
@@ -350,10 +351,12 @@ def auto_summary(all_results) -> list[str]:
     lines = [
         '`"auto"` against the fixed choices: the fixed variant that ran the join and kernel `"auto"` ran (its last '
         "timed step), the fastest fixed variant, and the ratios of step times. Where the two are the same variant, "
-        "the last ratio is the spread of one configuration timed twice in the same run.",
+        "the last ratio is the spread of one configuration timed twice in the same run. Steps: the median and range "
+        "of each one's timed steps (seconds).",
         "",
-        "| trainer | profile | auto ran as | fastest fixed | auto vs stock | auto vs fastest fixed |",
-        "|---|---|---|---|---|---|",
+        "| trainer | profile | auto ran as | fastest fixed | auto vs stock | auto vs fastest fixed | auto's steps | "
+        "fastest fixed's steps |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for (trainer, profile), results in all_results.items():
         auto = results["auto"]
@@ -362,9 +365,18 @@ def auto_summary(all_results) -> list[str]:
         ran_as = "stock rows" if auto["kernel"] == "stock" else ", ".join(same) or f"{auto['join']}, {auto['kernel']}"
         lines.append(
             f"| {trainer.upper()} | {profile} | {ran_as} | {best} | "
-            f"{results['stock']['step_s'] / auto['step_s']:.2f}x | {results[best]['step_s'] / auto['step_s']:.2f}x |"
+            f"{results['stock']['step_s'] / auto['step_s']:.2f}x | {results[best]['step_s'] / auto['step_s']:.2f}x | "
+            f"{_spread(auto)} | {_spread(results[best])} |"
         )
     return lines
+
+
+def _spread(result) -> str:
+    """A variant's median step and the range of its timed steps (runs saved before the steps were kept: the median)."""
+    steps = result.get("steps_s")
+    if not steps:
+        return f"{result['step_s']:.3f}"
+    return f"{result['step_s']:.3f} ({min(steps):.3f}-{max(steps):.3f})"
 
 
 def render(path):
@@ -383,7 +395,7 @@ def main():
     parser.add_argument("--trainers", default=",".join(TRAINERS))
     parser.add_argument("--profiles", default=",".join(PROFILES))
     parser.add_argument("--examples", type=int, default=4, help="examples (pairs, prompts) per micro-batch")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=11, help="timed steps per variant (the median is reported)")
     parser.add_argument("--length-scale", type=float, default=1.0)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
