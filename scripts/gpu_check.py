@@ -619,6 +619,7 @@ def bench_variant(kind, variant, model, tokenizer, dataset, settings, clock, tmp
     n, timed_steps = len(trainer.train_dataset), steps * settings.repeats
     median = sorted(times)[len(times) // 2]
     mask_gpu = clock.mask_gpu_s()
+    sharing = getattr(trainer, "sharing", None)  # stock TRL's trainer has none
     result = {
         "pairs_per_s": n / median,
         "epoch_times_s": [round(t, 4) for t in times],
@@ -635,11 +636,11 @@ def bench_variant(kind, variant, model, tokenizer, dataset, settings, clock, tmp
         "mask_gpu_ms_per_step": 1000 * mask_gpu / timed_steps if mask_gpu is not None else None,
         "masks_per_step": clock.mask_calls / timed_steps if clock.mask_calls else 0,
         "warmup_s": round(warmup_s, 2),
-        "attn_implementation": trainer.sharing.backend.name if getattr(trainer, "sharing", None) else "sdpa",
+        "attn_implementation": sharing.backend.name if sharing else "sdpa",
         # `"auto"`: what it measured at start-up and chose (`trl_prefix_sharing.tuning`), None for a fixed kernel
-        "auto_measured": trainer.sharing.tuning.summary if getattr(trainer, "sharing", None) else None,
+        "auto_measured": sharing.tuning.summary if sharing else None,
         # and what its timed training steps measured, once its close candidates took their turns (else None)
-        "auto_training_steps": trainer.sharing.tuning.refined if getattr(trainer, "sharing", None) else None,
+        "auto_training_steps": sharing.tuning.refined if sharing else None,
         "kernels_run": dict(clock.kernels),  # micro-batches per kernel that ran them (stock: none laid out)
         "compiled_variants": compiled_variants(),
         "profile": profile,
