@@ -9,9 +9,10 @@ against stock TRL. Each part writes its files to `--out`.
 `--part all` runs the three in one process (no time limit of its own); `--jobs N` runs tests/test_cuda.py in N
 processes side by side on the one GPU (each takes every N-th test, the measured ones first); `--tests-k` runs part of
 tests/test_cuda.py (merge the parts); `--dry-run` runs the same code on CPU with tiny models and lengths
-(tests/test_gpu_check.py does, so that a typo or an import error shows before a GPU is used). Each single part stops
-starting new work after `--deadline-s` (540 s by default) and writes what it measured, with the rest listed as not
-run.
+(tests/test_gpu_check.py does, so that a typo or an import error shows before a GPU is used; there `"auto"` runs each
+timed call but takes the kernel it prefers, as in the test suite, since the tiny models' times are noise). Each single
+part stops starting new work after `--deadline-s` (540 s by default) and writes what it measured, with the rest listed
+as not run.
 
 Files in `--out`:
 - `gpu_tests.json`: device, versions, pytest's counts over tests/test_cuda.py, the compiled variants of
@@ -930,6 +931,11 @@ def run_bench_part(args, env, command, deadline, models) -> dict:
     cuda = not args.dry_run
     variants = VARIANTS + kernel_variants(cuda, args.skip_sdpa)
     _, tokenizer = quiet_setup(cuda)
+    if args.dry_run:  # the tiny models' times are noise: "auto" takes its preferred kernel, the files' shape fixed
+        from trl_prefix_sharing.testing import PreferredKernelTimer
+        from trl_prefix_sharing.tuning import set_timer
+
+        set_timer(PreferredKernelTimer(runs=True))  # each timed call still runs
     if cuda:  # many trainers in one process share the compiled FlexAttention; a user's run has one trainer
         config = torch._dynamo.config
         limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
