@@ -154,8 +154,8 @@ def median_ms(fn, device, repeats=7) -> float:
 
 def run(device: torch.device) -> dict:
     from trl_prefix_sharing.attention import BACKENDS
-    from trl_prefix_sharing.layout import prompt_lengths_from_completion_mask
     from trl_prefix_sharing.testing import make_model
+    from trl_prefix_sharing.trie import prompt_lengths_from_completion_mask
 
     config = make_model("llama", 64).config
     rng = random.Random(0)

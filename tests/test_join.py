@@ -25,8 +25,9 @@ from group_equivalence import assert_same_runs, make_group_trainer, save_model, 
 import trl_prefix_sharing.attention as attention_module
 from trl_prefix_sharing import DPOConfig
 from trl_prefix_sharing.cost import StepCost
-from trl_prefix_sharing.layout import JOINS, RowPolicy, build_layout, gather_to_stock, plan_layout, plan_layouts
+from trl_prefix_sharing.layout import RowPolicy, build_layout, gather_to_stock
 from trl_prefix_sharing.testing import make_model
+from trl_prefix_sharing.trie import JOINS, plan_layout, plan_layouts
 
 
 SYSTEM = " ".join(f"w{i}" for i in range(100, 124))  # 24 words every example starts with

@@ -11,12 +11,12 @@ from trl_prefix_sharing.layout import (
     Layout,
     RowPolicy,
     build_layout,
-    prompt_lengths_from_completion_mask,
     shared_group_layout,
     shared_labels,
     shared_positions,
 )
 from trl_prefix_sharing.mask import causal, dense_mask, prefix_sharing_mask, same_document
+from trl_prefix_sharing.trie import prompt_lengths_from_completion_mask
 
 
 def _stock(rows, prompt_lens=None, pad=0, left=False):

@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trl_prefix_sharing.layout import RowPolicy, build_layout, plan_layout, prompt_lengths_from_completion_mask
+from trl_prefix_sharing.layout import RowPolicy, build_layout
 from trl_prefix_sharing.mask import dense_mask, on_path, prefix_sharing_mask
+from trl_prefix_sharing.trie import plan_layout, prompt_lengths_from_completion_mask
 
 
 def _picture(mask):

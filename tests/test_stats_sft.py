@@ -138,7 +138,7 @@ def test_stats_sft_joins_are_the_layouts():
     """`--prefix_sharing_join`'s values are the layout's."""
     from trl_prefix_sharing.cli.stats import SFT_JOIN, SFT_JOINS
     from trl_prefix_sharing.config import SFTConfig
-    from trl_prefix_sharing.layout import JOINS
+    from trl_prefix_sharing.trie import JOINS
 
     assert SFT_JOINS == JOINS
     assert SFTConfig.__dataclass_fields__["prefix_sharing_join"].default == SFT_JOIN
@@ -181,23 +181,56 @@ def test_stats_sft_wrong_columns_are_one_line(model_dir, tmp_path, capsys):
     assert line.startswith("trl-prefix-sharing stats: error: ") and "'text', 'messages'" in line
 
 
+@pytest.mark.parametrize("join", ["prompts", "always"])
 @pytest.mark.parametrize("rows", [_CHAT, _TEXT], ids=["prompt-completion", "text"])
-def test_stats_sft_preprocessing_is_trls(tokenizer, tmp_path, rows):
-    """The rows `stats` counts are the ones TRL's own `SFTTrainer` trains on (tokens and trained labels)."""
+def test_stats_sft_counts_what_a_training_run_logs(tokenizer, tmp_path, rows, join):
+    """`stats` counts SFT data with the trainer itself (built on a stand-in model without weights): the rows it lays
+    out are stock TRL's (tokens and trained labels), and the positions it counts are the `num_shared_tokens` a run of
+    this package's `SFTTrainer` logs over the same micro-batches (consecutive rows, the same join rule)."""
     import trl
     from datasets import Dataset
 
-    from trl_prefix_sharing.cli.stats import sft_dataset
+    from trl_prefix_sharing import SFTConfig, SFTTrainer
+    from trl_prefix_sharing.cli.stats import _measure_sft, sft_trainer
     from trl_prefix_sharing.testing import make_model
 
-    dataset = Dataset.from_list(rows)
-    trainer = trl.SFTTrainer(
+    dataset, batch_size = Dataset.from_list(rows), 3  # the first micro-batch holds rows of two prompts
+    prepared = sft_trainer(dataset, tokenizer, 1024, "keep_start", join)
+    stock = trl.SFTTrainer(
         model=make_model("llama", len(tokenizer)),
-        args=trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none"),
+        args=trl.SFTConfig(output_dir=str(tmp_path / "stock"), use_cpu=True, bf16=False, report_to="none"),
         train_dataset=dataset,
         processing_class=tokenizer,
     )
-    ours = sft_dataset(dataset, tokenizer, 1024, "keep_start")
-    assert len(ours) == len(trainer.train_dataset) == len(rows)
-    assert ours["input_ids"] == trainer.train_dataset["input_ids"]
-    assert ours["labels"] == trainer.train_dataset["labels"]
+    assert len(prepared.train_dataset) == len(stock.train_dataset) == len(rows)
+    assert prepared.train_dataset["input_ids"] == stock.train_dataset["input_ids"]
+    assert prepared.train_dataset["labels"] == stock.train_dataset["labels"]
+    counted = _measure_sft(prepared.train_dataset, prepared.data_collator, batch_size).plans[join].tokens
+
+    steps = -(-len(rows) // batch_size)
+    trainer = SFTTrainer(
+        model=make_model("llama", len(tokenizer)),
+        args=SFTConfig(
+            output_dir=str(tmp_path / "run"),
+            use_cpu=True,
+            bf16=False,
+            report_to="none",
+            prefix_sharing=True,
+            prefix_sharing_join=join,
+            prefix_sharing_attn_implementation="sdpa",  # no measured choice of stock's rows
+            per_device_train_batch_size=batch_size,
+            train_sampling_strategy="sequential",
+            max_steps=steps,
+            logging_steps=steps,
+            save_strategy="no",
+        ),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    logged = [entry["num_shared_tokens"] for entry in trainer.state.log_history if "num_shared_tokens" in entry]
+    assert counted > 0 and logged and logged[-1] == counted
+    other_join = {"prompts": "always", "always": "prompts"}[join]
+    other = sft_trainer(dataset, tokenizer, 1024, "keep_start", other_join)
+    other_count = _measure_sft(other.train_dataset, other.data_collator, batch_size).plans[other_join].tokens
+    assert other_count != logged[-1]  # rows of two prompts share a start: the other join rule counts otherwise

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib
 
+from .trainers import TRAINERS
+
 
 __version__ = "0.1.0"
 
@@ -12,24 +14,8 @@ __version__ = "0.1.0"
 #: can set up logging (see `cli/quiet.py`) before TRL, transformers and PEFT are imported. The offline test builders
 #: are in `trl_prefix_sharing.testing`, which this package does not import.
 _EXPORTS = {
-    "DPOConfig": ".config",
-    "DPOTrainer": ".dpo_trainer",
-    "GRPOConfig": ".config",
-    "GRPOTrainer": ".grpo_trainer",
-    "RewardConfig": ".config",
-    "RewardTrainer": ".reward_trainer",
-    "RLOOConfig": ".config",
-    "RLOOTrainer": ".rloo_trainer",
-    "OnlineDPOConfig": ".online_dpo_trainer",
-    "OnlineDPOTrainer": ".online_dpo_trainer",
-    "KTOConfig": ".kto_trainer",
-    "KTOTrainer": ".kto_trainer",
-    "ORPOConfig": ".orpo_trainer",
-    "ORPOTrainer": ".orpo_trainer",
-    "CPOConfig": ".cpo_trainer",
-    "CPOTrainer": ".cpo_trainer",
-    "SFTConfig": ".config",
-    "SFTTrainer": ".sft_trainer",
+    **{spec.config_class: spec.config_module for spec in TRAINERS.values()},
+    **{spec.trainer_class: spec.module for spec in TRAINERS.values()},
     "MultipackSampler": ".sampler",
     "PrefixSharingCollator": ".collator",
     "PrefixSharingSession": ".session",

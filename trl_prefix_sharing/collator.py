@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from .examples import example_ids, prompt_lengths
-from .layout import LayoutPlan, RowPolicy, build_layout, plan_layouts
+from .layout import RowPolicy, build_layout
+from .trie import LayoutPlan, plan_layouts
 from .vision import has_vision_inputs
 
 
@@ -34,7 +35,7 @@ class PrefixSharingCollator:
         across_examples: share between examples (a prompt's several pairs, later turns, duplicate prompts). False:
             within each example only. A batch with images shares within examples only (the tokens of an image do not
             tell which image it is).
-        join: how rows that start alike join one document (`layout.JOINS`).
+        join: how rows that start alike join one document (`trie.JOINS`).
         cost: the step's cost model (`cost.StepCost`), by which `join="auto"` chooses.
         tuning: the session's candidates and measured costs (`tuning.Tuning`), where `"auto"` chooses the kernel
             or stock's own rows per batch (`rows` and `cost` are then unused), else None.

@@ -12,8 +12,8 @@ import transformers
 import trl
 
 from .attention import ATTN_IMPLEMENTATIONS
-from .layout import JOINS
 from .model_check import MODES as MODEL_CHECK_MODES
+from .trie import JOINS
 
 
 _SHARING_DOC = """

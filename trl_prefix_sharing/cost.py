@@ -1,6 +1,6 @@
 """What a forward over shared rows costs: the estimate `prefix_sharing_join="auto"` chooses a layout by.
 
-Joining rows that share a prefix into one document (`layout.JOINS`) computes the prefix once, but makes the document
+Joining rows that share a prefix into one document (`trie.JOINS`) computes the prefix once, but makes the document
 longer. Which wins depends on the attention kernel:
 
 - a dense kernel (SDPA or eager with the mask as a tensor, the CPU's) computes every query-key pair of a row whatever

@@ -8,14 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from .concatenated import CONCATENATED_SHARING_DOC, ConcatenatedSharingArguments, ConcatenatedSharingMixin, masked_mean
-from .trl_internals import check_trl_internals, import_experimental
+from .trl_internals import import_experimental
 
 
 _cpo = import_experimental("cpo", "CPOTrainer")
 
 __all__ = ["CPOConfig", "CPOTrainer"]
 
-check_trl_internals("cpo")
 
 #: loss types whose log-probs TRL length-averages (the others sum them)
 AVERAGED_LOSS_TYPES = ("ipo", "simpo")

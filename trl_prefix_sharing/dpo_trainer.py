@@ -9,25 +9,17 @@ from transformers.utils import logging
 
 from .config import DPOConfig
 from .preference import PreferenceSharingMixin
-from .trl_internals import check_trl_internals
+from .trainers import TRAINERS
 from .validation import check_dataset_columns
 
 
-__all__ = ["DPOTrainer", "DPO_COLUMNS"]
+__all__ = ["DPOTrainer"]
 
-check_trl_internals("dpo", "packing")
 
 logger = logging.get_logger(__name__)
 
 #: loss types computed over the whole batch rather than per pair (not pair-normalisable under packing)
 BATCH_LEVEL_LOSS_TYPES = {"aot", "aot_unpaired", "sft"}
-
-#: (accepted column sets, what a dataset needs): checked before TRL's preprocessing
-DPO_COLUMNS = (
-    ({"chosen", "rejected"}, {"prompt_ids", "chosen_ids", "rejected_ids"}),
-    "a preference dataset needs 'chosen' and 'rejected' (and optionally 'prompt'), text or conversational, or "
-    "pre-tokenized 'prompt_ids', 'chosen_ids' and 'rejected_ids'.",
-)
 
 
 class DPOTrainer(PreferenceSharingMixin, trl.DPOTrainer):
@@ -73,8 +65,8 @@ class DPOTrainer(PreferenceSharingMixin, trl.DPOTrainer):
         )
         if self._uses_layout:
             images = processing_class is None or isinstance(processing_class, ProcessorMixin)  # TRL's vision path
-            check_dataset_columns(train_dataset, "train", *DPO_COLUMNS, allow_images=images)
-            check_dataset_columns(eval_dataset, "eval", *DPO_COLUMNS, allow_images=images)
+            check_dataset_columns(train_dataset, "train", TRAINERS["dpo"].columns, allow_images=images)
+            check_dataset_columns(eval_dataset, "eval", TRAINERS["dpo"].columns, allow_images=images)
         super().__init__(
             model=model,
             ref_model=ref_model,

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .layout import prompt_lengths_from_completion_mask
+from .trie import prompt_lengths_from_completion_mask
 
 
 __all__ = ["example_groups", "example_ids", "prompt_lengths"]

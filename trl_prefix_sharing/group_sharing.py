@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from .layout import _COMPARE_CHUNK, pairwise_common_prefix
 from .sharing import PrefixSharingMixin
+from .trie import _COMPARE_CHUNK, pairwise_common_prefix
 from .trl_internals import replaced_function
 from .vision import vision_inputs_in
 

@@ -7,12 +7,9 @@ import trl
 
 from .config import GRPOConfig
 from .group_sharing import GroupSharingTrainerMixin
-from .trl_internals import check_trl_internals
 
 
 __all__ = ["GRPOTrainer"]
-
-check_trl_internals("grpo")
 
 
 class GRPOTrainer(GroupSharingTrainerMixin, trl.GRPOTrainer):

@@ -17,10 +17,10 @@ The layouts are exact only within stock's own micro-batches, which is what they 
 packing (the KL rows and the `kl` batch statistic depend on which examples share a micro-batch).
 
 TRL's `_compute_loss` calls its models without a layout; the trainer routes each fused call by the stock tensor it
-holds (`PrefixSharing.router`): the main rows' `input_ids` or the KL rows'. A merged pass is run by the first of the
-two calls and the other one gets its part of the result: the main call of the training step fills in the KL log-probs
-that TRL's `_compute_kl_logps` (overridden here) returned as a placeholder; in TRL's `compute_ref_log_probs` the main
-call runs first and the KL call gets its stored result.
+holds (`PrefixSharingSession.router`): the main rows' `input_ids` or the KL rows'. A merged pass is run by the first
+of the two calls and the other one gets its part of the result: the main call of the training step fills in the KL
+log-probs that TRL's `_compute_kl_logps` (overridden here) returned as a placeholder; in TRL's `compute_ref_log_probs`
+the main call runs first and the KL call gets its stored result.
 """
 
 from __future__ import annotations
@@ -34,14 +34,13 @@ import trl
 
 from .config import _SHARING_DOC, PrefixSharingArguments
 from .forward import prefix_sharing_forward, unwrap_model
-from .layout import Layout, prompt_lengths_from_completion_mask
+from .layout import Layout
 from .sharing import PrefixSharingMixin
-from .trl_internals import check_trl_internals
+from .trie import prompt_lengths_from_completion_mask
 
 
 __all__ = ["KTOConfig", "KTOTrainer"]
 
-check_trl_internals("kto")
 
 #: the auto rule: merge the policy's KL rows into its gradient pass when the batch's prompt tokens exceed this many
 #: times its KL completion tokens (merging saves a forward over the prompts and costs a backward over the KL

@@ -21,12 +21,9 @@ from trl.experimental.online_dpo import OnlineDPOTrainer as _TRLOnlineDPOTrainer
 from .config import _SHARING_DOC, PrefixSharingArguments
 from .forward import stock_logits_dtype
 from .sharing import PrefixSharingMixin
-from .trl_internals import check_trl_internals
 
 
 __all__ = ["OnlineDPOConfig", "OnlineDPOTrainer"]
-
-check_trl_internals("online_dpo")
 
 
 @dataclass

@@ -6,14 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .concatenated import CONCATENATED_SHARING_DOC, ConcatenatedSharingArguments, ConcatenatedSharingMixin, masked_mean
-from .trl_internals import check_trl_internals, import_experimental
+from .trl_internals import import_experimental
 
 
 _orpo = import_experimental("orpo", "ORPOTrainer")
 
 __all__ = ["ORPOConfig", "ORPOTrainer"]
-
-check_trl_internals("orpo")
 
 
 @dataclass

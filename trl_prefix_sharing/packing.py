@@ -14,8 +14,10 @@ Packing changes what a batch is, and this module is everything that follows from
   (or completion tokens) each micro-batch averaged over. Gathers accept per-rank sizes (`distributed.py`).
 - **Evaluation**: `eval_loss` is the per-pair mean over the dataset (each packed batch's mean repeated once per pair).
 
-`PackingMixin` sits between the prefix-sharing mixin and TRL's trainer class; it reads the layout the collator
-builds but nothing of the sharing itself.
+`PackingMixin` comes before the prefix-sharing mixin in a preference trainer's classes (`PreferenceSharingMixin`), so
+its sampler, loss and metric overrides wrap the mixin's and TRL's. It reads the layout the collator builds and calls
+the mixin's set-up before it builds a sampler (the kernel decides how packed rows are rounded), but nothing of the
+sharing session itself.
 """
 
 from __future__ import annotations

@@ -9,27 +9,11 @@ from trl.data_utils import get_dataset_column_names
 from .config import RewardConfig
 from .preference import PreferenceSharingMixin
 from .ranked import RankedCollator, is_ranked_dataset, ranked_loss, ranked_pairs, tokenize_ranked
-from .trl_internals import check_trl_internals
+from .trainers import TRAINERS
 from .validation import check_dataset_columns
 
 
-__all__ = ["RewardTrainer", "REWARD_COLUMNS"]
-
-check_trl_internals("reward", "packing")
-
-#: (accepted column sets, what a dataset needs): checked before TRL's preprocessing
-REWARD_COLUMNS = (
-    (
-        {"chosen", "rejected"},
-        {"chosen_ids", "rejected_ids"},
-        {"chosen_input_ids", "rejected_input_ids"},
-        {"completions"},
-        {"completion_ids"},
-    ),
-    "a reward dataset needs 'chosen' and 'rejected' (optionally 'prompt' and 'margin'), or pre-tokenized "
-    "'chosen_ids' and 'rejected_ids' (or TRL's older names 'chosen_input_ids' and 'rejected_input_ids'), or a ranked "
-    "list 'completions' (best first).",
-)
+__all__ = ["RewardTrainer"]
 
 
 class RewardTrainer(PreferenceSharingMixin, trl.RewardTrainer):
@@ -80,8 +64,8 @@ class RewardTrainer(PreferenceSharingMixin, trl.RewardTrainer):
                     "`trl_prefix_sharing.ranked.expand_ranked_to_pairs`)."
                 )
         if self._uses_layout or self._ranked:
-            check_dataset_columns(train_dataset, "train", *REWARD_COLUMNS)
-            check_dataset_columns(eval_dataset, "eval", *REWARD_COLUMNS)
+            check_dataset_columns(train_dataset, "train", TRAINERS["reward"].columns)
+            check_dataset_columns(eval_dataset, "eval", TRAINERS["reward"].columns)
         if self._ranked and data_collator is None and processing_class is not None:
             pad = processing_class.pad_token or processing_class.eos_token
             data_collator = RankedCollator(

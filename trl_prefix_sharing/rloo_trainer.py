@@ -7,12 +7,9 @@ import trl
 
 from .config import RLOOConfig
 from .group_sharing import GroupSharingTrainerMixin
-from .trl_internals import check_trl_internals
 
 
 __all__ = ["RLOOTrainer"]
-
-check_trl_internals("rloo")
 
 
 class RLOOTrainer(GroupSharingTrainerMixin, trl.RLOOTrainer):

@@ -60,7 +60,7 @@ class PrefixSharingSession:
         checks: `prefix_sharing_checks` (None: where the batch is on the CPU).
         autocast: the trainer's `accelerator.autocast`: the shared calls of a model that accelerate already wrapped
             in mixed precision (a reference model prepared in TRL's `__init__`) run inside it, as stock's calls do.
-        join: `prefix_sharing_join` (`layout.JOINS`); `"auto"` chooses by `self.cost`, the policy's under the kernel.
+        join: `prefix_sharing_join` (`trie.JOINS`); `"auto"` chooses by `self.cost`, the policy's under the kernel.
         alternatives, stock_rows: other backends, and whether stock's own rows, `"auto"` chooses from (`tuning.py`).
     """
 

@@ -16,9 +16,9 @@ import torch
 import trl
 
 from .config import SFTConfig
-from .layout import prompt_lengths_from_completion_mask
 from .packing import grouped_by_prompt
 from .preference import CollatedSharingMixin
+from .trie import prompt_lengths_from_completion_mask
 
 
 __all__ = ["SFTTrainer", "prompt_end", "sft_examples", "sft_prompt_groups", "sft_prompt_lengths"]

@@ -33,6 +33,7 @@ from .support import (
     check_forward_in_place,
     check_model_and_processor,
 )
+from .trainers import guard_trainer_class
 from .tuning import measure_session
 from .validation import check_not_empty, check_prompt_column, check_rows_left, dataset_sizes
 from .vision import is_vision_config
@@ -194,7 +195,16 @@ class _ArgumentsChecked:
         check_rows_left(self._dataset_sizes, datasets, type(self).__name__, getattr(self.args, "max_length", None))
 
 
-class PrefixSharingMixin(_ArgumentsChecked, _PositionsLogged, _PatchedWhileRunning):
+class _Guarded:
+    """A class over a TRL trainer is checked, when it is created, against the TRL internals its entry in the table of
+    trainers lists (`trainers.guard_trainer_class`): every trainer, by construction."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        guard_trainer_class(cls)
+
+
+class PrefixSharingMixin(_Guarded, _ArgumentsChecked, _PositionsLogged, _PatchedWhileRunning):
     """Placed before TRL's trainer class (and after `PackingMixin`). A trainer calls `_init_prefix_sharing(...)` before
     TRL's `__init__` and `_finish_prefix_sharing_init()` after it; its session is then `self.sharing` and its start-up
     check `self.model_check` (both None while the trainer runs as stock TRL), and it calls `_startup_check(...)` on the

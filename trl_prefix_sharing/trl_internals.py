@@ -24,16 +24,21 @@ deep in a training step. What is checked, per `Internal`:
     `_generate` (its prompts' rendering), whose tokenisation the `stats` command re-derives from TRL's public data
     functions (it builds no trainer): `test_stats_dpo_preprocessing_is_trls`,
     `test_stats_reward_preprocessing_is_trls`, `test_stats_kto_preprocessing_is_trls`,
-    `test_stats_paired_preprocessing_is_trls` and `test_stats_online_dpo_tokenizes_prompts_as_trl`; for SFT it
-    calls TRL's own `_prepare_dataset` on an instance built without a model (`test_stats_sft_preprocessing_is_trls`).
+    `test_stats_paired_preprocessing_is_trls` and `test_stats_online_dpo_tokenizes_prompts_as_trl`. For SFT it
+    builds this package's `SFTTrainer` on a stand-in model without weights (`cli/prepared.py`): TRL's own
+    preparation and the trainer's own collator, nothing re-derived.
 
-No TRL method body is copied: each override calls TRL's own method, and the GRPO/RLOO shuffle is replaced by swapping
-the one function TRL's `_prepare_inputs` calls, for the duration of that call (`replaced_function`).
+No TRL method body is copied. An override calls TRL's own method (without prefix sharing always, with it wherever
+TRL's method has a seam); where it has none (online DPO `_forward`, ORPO and CPO `concatenated_forward`) the override
+computes the same outputs from public parts, its fingerprint kept and pinned by the tests above. The GRPO/RLOO shuffle
+is replaced by swapping the one function TRL's `_prepare_inputs` calls, for the duration of that call
+(`replaced_function`).
 
 Versions: the `trl` requirement moves with each TRL release this package is tested with (`SUPPORTED_TRL`). A TRL
 outside it (installed over the requirement, or from source) is checked the same way: refused at import when anything
 listed here changed, run with a warning naming the versions when nothing did.
-`python -m trl_prefix_sharing.trl_internals` prints the fingerprints of the installed TRL (what a maintainer compares
+`python -m trl_prefix_sharing.trl_internals` lists every trainer of the table (`trainers.py`) with the internals its
+class is checked against, each with its state in the installed TRL and the fingerprints (what a maintainer compares
 when moving the requirement).
 """
 
@@ -50,6 +55,8 @@ import re
 import textwrap
 import warnings
 from dataclasses import dataclass
+
+from .trainers import TRAINERS
 
 
 __all__ = [
@@ -85,15 +92,9 @@ class Internal:
     fingerprint: str = ""  # the hash of a method body this package re-derives (`fingerprint`)
 
 
-_DPO = "trl.trainer.dpo_trainer:DPOTrainer"
-_REWARD = "trl.trainer.reward_trainer:RewardTrainer"
-_GRPO = "trl.trainer.grpo_trainer:GRPOTrainer"
-_RLOO = "trl.trainer.rloo_trainer:RLOOTrainer"
-_ONLINE_DPO = "trl.experimental.online_dpo.online_dpo_trainer:OnlineDPOTrainer"
-_KTO = "trl.trainer.kto_trainer:KTOTrainer"
-_ORPO = "trl.experimental.orpo.orpo_trainer:ORPOTrainer"
-_CPO = "trl.experimental.cpo.cpo_trainer:CPOTrainer"
-_SFT = "trl.trainer.sft_trainer:SFTTrainer"
+_DPO, _REWARD, _GRPO, _RLOO, _ONLINE_DPO, _KTO, _ORPO, _CPO, _SFT = (
+    TRAINERS[name].trl_trainer for name in ("dpo", "reward", "grpo", "rloo", "online_dpo", "kto", "orpo", "cpo", "sft")
+)
 _TRAINER = "transformers.trainer:Trainer"
 _LOGPS = ("self", "model", "input_ids", "attention_mask", "logits_to_keep")
 _PREPARE = ("self", "dataset", "processing_class", "args", "dataset_name")
@@ -112,6 +113,8 @@ _ONLINE_DPO_INIT = (
 )
 #: how DPO's loss and reference passes call the model: every batch key but these, so the layout reaches it
 _DPO_CALL = ("model_kwargs = {k: v for k, v in inputs.items() if k not in _non_model_keys}",)
+#: how SFT's loss calls the model: the whole batch, the layout included
+_SFT_CALL = ("outputs = model(**inputs, fused_lm_head=True)",)
 _FUSED_FIELDS = (
     "loss",
     "aux_loss",
@@ -207,6 +210,13 @@ INTERNALS: dict[str, tuple[Internal, ...]] = {
         Internal(_TRAINER, "gather_function", "write", attribute=True),
         Internal(_TRAINER, "current_gradient_accumulation_steps", "read", attribute=True),
     ),
+    "sft": (
+        # TRL's loss calls the model with every batch key, so the layout the collator adds reaches it
+        Internal(_SFT, "compute_loss", "override", ("self", "model", "inputs"), relies_on=_SFT_CALL),
+        *_public_overrides(_SFT),
+        # transformers' Trainer: the sampler `group_by_prompt` orders by prompt
+        Internal(_TRAINER, "_get_train_sampler", "override", ("self", "train_dataset")),
+    ),
     "grpo": _group_trainer_internals(_GRPO),
     "rloo": _group_trainer_internals(_RLOO),
     "online_dpo": (
@@ -239,7 +249,7 @@ INTERNALS: dict[str, tuple[Internal, ...]] = {
         Internal(_CPO, "pad_token_id", "read", attribute=True),
     ),
     # the `trl-prefix-sharing` command line: TRL's argument splitting, and the dataset preparation `stats` re-derives
-    # from TRL's public data functions (no trainer is built)
+    # from TRL's public data functions for the trainers it builds no trainer of
     "cli": (Internal("trl.cli.commands.training", "_subtract_subsequence", "call"),),
     "stats": (
         Internal(_DPO, "_prepare_dataset", "mirror", fingerprint="733c5737c4949f4e"),
@@ -250,16 +260,6 @@ INTERNALS: dict[str, tuple[Internal, ...]] = {
         Internal(_CPO, "tokenize_row", "mirror", fingerprint="cbff85d3b3779515"),
         Internal(_CPO, "build_tokenized_answer", "mirror", fingerprint="993f7fe9bd05a250"),
         Internal(_ONLINE_DPO, "_generate", "mirror", fingerprint="444dab2a5d9401b8"),  # how it renders prompts
-        # SFT's own preparation, called on an instance built without a model, with the attributes it reads set
-        Internal(
-            _SFT,
-            "_prepare_dataset",
-            "call",
-            ("self", "dataset", "processing_class", "args", "packing", "formatting_func", "dataset_name"),
-        ),
-        Internal(_SFT, "_tokenizer", "write", attribute=True),
-        Internal(_SFT, "chat_template", "write", attribute=True),
-        Internal(_SFT, "completion_only_loss", "write", attribute=True),
     ),
 }
 
@@ -386,16 +386,6 @@ def check_trl_internals(*trainers: str) -> None:
 _warned: list[bool] = []
 
 
-def installed_fingerprints() -> dict[str, str]:
-    """`owner.name` -> the fingerprint of the installed code, for every internal that records one."""
-    return {
-        f"{internal.owner}.{internal.name}": fingerprint(getattr(_resolve(internal.owner), internal.name))
-        for internals in INTERNALS.values()
-        for internal in internals
-        if internal.fingerprint
-    }
-
-
 def import_experimental(name: str, trainer: str):
     """`trl.experimental.<name>`, or an error that says what is missing and the way out: TRL removes experimental
     trainers without a deprecation cycle, and only the module of that trainer fails to import, not this package."""
@@ -425,8 +415,33 @@ def replaced_function(module_name: str, name: str, replacement):
         setattr(module, name, original)
 
 
-if __name__ == "__main__":  # the fingerprints of the installed TRL, against the recorded ones
-    recorded = {f"{i.owner}.{i.name}": i.fingerprint for internals in INTERNALS.values() for i in internals}
-    for where, value in installed_fingerprints().items():
-        state = "same" if value == recorded[where] else f"CHANGED (recorded {recorded[where]})"
-        print(f"{value}  {state}  {where}")  # noqa: T201
+def _described(internal: Internal) -> str:
+    """One internal on one line: how it is used, where, and whether the installed TRL still matches it."""
+    owner = internal.owner.rpartition(":")[2] or internal.owner
+    where = f"{internal.holder}.{internal.name}" if internal.attribute and internal.holder != "self" else internal.name
+    problem = _problem(internal)
+    state = "matches" if problem is None else f"CHANGED: {problem}"
+    if internal.fingerprint and problem is None:
+        state += f" (fingerprint {internal.fingerprint})"
+    return f"  {internal.use:<8} {owner}.{where}: {state}"
+
+
+def report() -> str:
+    """What `python -m trl_prefix_sharing.trl_internals` prints: every trainer of the table with the internals its
+    class is checked against at creation (the common ones once, first), then the command line's, each with its state
+    in the installed TRL."""
+    import transformers
+    import trl
+
+    lines = [f"trl {trl.__version__}, transformers {transformers.__version__} (supported: trl{SUPPORTED_TRL})"]
+    lines += ["every trainer:", *map(_described, INTERNALS["common"])]
+    for spec in TRAINERS.values():
+        lines.append(f"{spec.name}: {spec.trainer_class} over {spec.trl_trainer} (checks {', '.join(spec.guards)}):")
+        lines += [_described(internal) for key in spec.guards for internal in INTERNALS[key]]
+    for key in ("cli", "stats"):
+        lines += [f"the command line ({key}):", *map(_described, INTERNALS[key])]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # every trainer's guarded internals, checked against the installed TRL
+    print(report())  # noqa: T201

@@ -8,7 +8,7 @@ candidates of a micro-batch are:
 
 - **stock rows**: the trainer's batch exactly as TRL builds it, run by the model's own forward and attention (the same
   numbers, by definition);
-- every join plan (`layout.JOINS`) laid out for every kernel that can run here (`attention.auto_backends`: varlen,
+- every join plan (`trie.JOINS`) laid out for every kernel that can run here (`attention.auto_backends`: varlen,
   FlexAttention and SDPA on CUDA; SDPA and varlen's reference elsewhere).
 
 All are exact, so the choice changes speed only. Each candidate's step is predicted as

@@ -8,10 +8,12 @@ import math
 
 from datasets import Dataset, IterableDataset
 
+from .trainers import Columns
 from .vision import VISION_MODEL_TYPES
 
 
 __all__ = [
+    "NoRowsLeft",
     "check_dataset_columns",
     "check_not_empty",
     "check_prompt_column",
@@ -108,15 +110,14 @@ def validate_preference_rows(dataset, name: str) -> None:
                 raise ValueError(f"{name} row {index}: 'margin' is {margin!r}; it must be a finite number.")
 
 
-def check_dataset_columns(
-    dataset, name: str, accepted: tuple[set[str], ...], describe: str, allow_images: bool = False
-) -> None:
-    """Clear errors for vision datasets (unless `allow_images`) and missing columns, before TRL's preprocessing."""
+def check_dataset_columns(dataset, name: str, needed: Columns, allow_images: bool = False) -> None:
+    """Clear errors for vision datasets (unless `allow_images`) and missing columns (a trainer's `needed`, from the
+    table of trainers), before TRL's preprocessing."""
     if dataset is None:
         return
     if isinstance(dataset, dict):
         for key, value in dataset.items():
-            check_dataset_columns(value, f"{name}[{key!r}]", accepted, describe, allow_images)
+            check_dataset_columns(value, f"{name}[{key!r}]", needed, allow_images)
         return
     columns = dataset_columns(dataset, name)
     if columns is None:
@@ -127,8 +128,8 @@ def check_dataset_columns(
             f"model ({', '.join(VISION_MODEL_TYPES)}) and its processor as `processing_class`; TRL 1.16's "
             "RewardTrainer has no image support. Otherwise train it with `prefix_sharing=False`."
         )
-    if not any(required <= columns for required in accepted):
-        raise ValueError(f"The {name} dataset has columns {sorted(columns)}; {describe}")
+    if not any(required <= columns for required in needed.accepted):
+        raise ValueError(f"The {name} dataset has columns {sorted(columns)}; {needed.needs}")
     validate_preference_rows(dataset, name)
 
 
@@ -197,6 +198,10 @@ def dataset_sizes(datasets: dict) -> dict[str, int]:
     return {name: len(dataset) for name, dataset in datasets.items() if isinstance(dataset, Dataset)}
 
 
+class NoRowsLeft(ValueError):
+    """TRL's preprocessing dropped every row of a dataset (`check_rows_left`)."""
+
+
 def check_rows_left(sizes: dict[str, int], datasets: dict, trainer_name: str, max_length) -> None:
     """An error when TRL's preprocessing dropped every row of a dataset that had some (`sizes`: the counts before,
     `datasets`: the prepared ones): TRL's DPO, reward and KTO trainers drop the examples that do not fit
@@ -204,7 +209,7 @@ def check_rows_left(sizes: dict[str, int], datasets: dict, trainer_name: str, ma
     for name, before in sizes.items():
         dataset = datasets.get(name)
         if before and isinstance(dataset, Dataset) and len(dataset) == 0:
-            raise ValueError(
+            raise NoRowsLeft(
                 f"{trainer_name}'s preprocessing left none of the {before:,} examples of the {name} dataset: it drops "
                 f"the examples that do not fit `max_length` ({max_length}). Raise `max_length`, or shorten the "
                 "prompts."

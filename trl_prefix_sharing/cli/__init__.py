@@ -17,27 +17,29 @@ from __future__ import annotations
 
 import sys
 
+from ..trainers import TRAINERS
+
 
 __all__ = ["main"]
 
-USAGE = """usage: trl-prefix-sharing {dpo,reward,grpo,rloo,online_dpo,kto,orpo,cpo,sft,stats} [args]
 
-  dpo      DPO training (TRL's `trl dpo` arguments + prefix_sharing, packing, ...), launched with accelerate
-  reward   reward-model training (TRL's `trl reward` arguments + the same), launched with accelerate
-  grpo     GRPO training (TRL's `trl grpo` arguments, reward functions included, + prefix_sharing)
-  rloo     RLOO training (TRL's `trl rloo` arguments + prefix_sharing)
-  online_dpo  online DPO (TRL's experimental OnlineDPOConfig, rewards named as for grpo, + prefix_sharing)
-  kto      KTO training (TRL's `trl kto` arguments + prefix_sharing)
-  orpo     ORPO (TRL's experimental ORPOConfig + prefix_sharing)
-  cpo      CPO, SimPO, AlphaPO (TRL's experimental CPOConfig + prefix_sharing)
-  sft      SFT (TRL's `trl sft` arguments + prefix_sharing)
-  stats    does prefix sharing pay on this dataset? DPO, reward, GRPO, RLOO (loads the tokenizer only)
+def _usage() -> str:
+    lines = [f"usage: trl-prefix-sharing {{{','.join([*TRAINERS, 'stats'])}}} [args]", ""]
+    for name, spec in TRAINERS.items():
+        lines.append(f"  {name + ' ' * max(1, 8 - len(name))} {spec.summary}")
+    lines += [
+        "  stats    does prefix sharing pay on this dataset? for each trainer above (loads the tokenizer and the "
+        "model's config, no weights)",
+        "",
+        "Run `trl-prefix-sharing COMMAND --help` for a command's arguments.",
+    ]
+    return "\n".join(lines)
 
-Run `trl-prefix-sharing COMMAND --help` for a command's arguments."""
 
+USAGE = _usage()
 
 #: the commands that train, each launched through `accelerate launch` (`cli/<command>.py`)
-TRAINING_COMMANDS = ("dpo", "reward", "grpo", "rloo", "online_dpo", "kto", "orpo", "cpo", "sft")
+TRAINING_COMMANDS = tuple(TRAINERS)
 
 
 def launch(command: str, argv: list[str]) -> int:

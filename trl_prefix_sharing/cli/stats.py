@@ -26,9 +26,10 @@ its first micro-batch and runs stock's own rows, and the line says so. The verdi
   runs both after one copy of the prompt; the policy's gradient pass does so where `--prefix_sharing_merge_kl` merges
   (by default: when a batch's prompt tokens exceed twice its KL completion tokens), so a training step is reported too.
 
-SFT data (`--trainer sft`: `text`, `messages`, or `prompt` + `completion`, text or conversational): tokenized by TRL's
-own `SFTTrainer._prepare_dataset` (EOS added to text, the prompt masked for prompt-completion data as TRL's default
-`completion_only_loss` does, truncated to `--max_length` by `--truncation_mode`). Each example is one row; its prompt
+SFT data (`--trainer sft`: `text`, `messages`, or `prompt` + `completion`, text or conversational): prepared by the
+SFT trainer itself, built on a stand-in model without weights (`cli/prepared.py`), so TRL's own preparation runs (EOS
+added to text, the prompt masked for prompt-completion data as TRL's default `completion_only_loss` does, truncated to
+`--max_length` by `--truncation_mode`). Each example is one row; its prompt
 is its tokens before its first trained label. SFT's sampler is random, so the micro-batches counted are
 `--per_device_train_batch_size` consecutive rows (what `train_sampling_strategy="sequential"` or `group_by_prompt`
 gives), collated by TRL's collator and planned by the package's own layout (the SFT trainer's `PrefixSharingCollator`)
@@ -58,38 +59,32 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from ..trainers import TRAINERS as TRAINER_SPECS
+from ..trainers import trainers_with
+
 
 PROG = "trl-prefix-sharing stats"
 MEASURED_SPEEDUPS = "measured_speedups.json"
-#: TRL 1.16's defaults: `num_generations` of GRPOConfig / RLOOConfig (online DPO always generates 2), and their
-#: `max_completion_length`; OnlineDPOConfig's `max_new_tokens`
-NUM_GENERATIONS = {"grpo": 8, "rloo": 2, "online_dpo": 2}
-MAX_COMPLETION_LENGTH, MAX_NEW_TOKENS = 512, 64
+#: TRL's defaults, from the table of trainers: `num_generations` of the trainers that generate, their longest
+#: completion (`max_completion_length`; online DPO's `max_new_tokens`), each config's `max_length` (online DPO's:
+#: prompt + completion, its prompt's start cut to fit)
+NUM_GENERATIONS = {name: spec.num_generations for name, spec in TRAINER_SPECS.items() if spec.generates}
+MAX_COMPLETION_LENGTH = TRAINER_SPECS["grpo"].max_completion_length
+MAX_NEW_TOKENS = TRAINER_SPECS["online_dpo"].max_completion_length
+MAX_LENGTHS = {name: spec.max_length for name, spec in TRAINER_SPECS.items() if spec.max_length}
 #: TRL's defaults for the trainers with data completions (their configs and TrainingArguments)
-MAX_LENGTH, TRUNCATION_MODE, BATCH_SIZE = 1024, "keep_start", 8
-#: `max_length` of each config (OnlineDPOConfig: prompt + completion, its prompt's start cut to fit)
-MAX_LENGTHS = {"dpo": 1024, "reward": 1024, "kto": 1024, "orpo": 1024, "cpo": 1024, "sft": 1024, "online_dpo": 512}
+TRUNCATION_MODE, BATCH_SIZE = "keep_start", 8
 #: the length TRL's ORPO and CPO trainers take when `max_length` is None
 ORPO_DEFAULT_LENGTH = 512
-PREFERENCE_TRAINERS, PAIRED_TRAINERS = ("dpo", "reward"), ("orpo", "cpo")
-GROUP_TRAINERS = ("grpo", "rloo", "online_dpo")
+PREFERENCE_TRAINERS, PAIRED_TRAINERS = trainers_with("preference"), trainers_with("paired")
+GROUP_TRAINERS = trainers_with("prompts")
 #: the trainers whose data holds its completions, in the order of the help text
-DATA_TRAINERS = (*PREFERENCE_TRAINERS, "kto", *PAIRED_TRAINERS)
-TRAINERS = (*DATA_TRAINERS, "sft", *GROUP_TRAINERS)
-#: `prefix_sharing_join`'s values (`layout.JOINS`, named here so that `--help` needs no torch) and SFTConfig's default
+DATA_TRAINERS = trainers_with("preference", "unpaired", "paired")
+CHOICES = (*DATA_TRAINERS, *trainers_with("sft"), *GROUP_TRAINERS)
+#: `prefix_sharing_join`'s values (`trie.JOINS`, named here so that `--help` needs no torch) and SFTConfig's default
 SFT_JOINS, SFT_JOIN = ("auto", "prompts", "always"), "auto"
 #: the trainer class of each `--trainer`, as training names it in its errors
-TRAINER_CLASSES = {
-    "dpo": "DPOTrainer",
-    "reward": "RewardTrainer",
-    "kto": "KTOTrainer",
-    "orpo": "ORPOTrainer",
-    "cpo": "CPOTrainer",
-    "sft": "SFTTrainer",
-    "grpo": "GRPOTrainer",
-    "rloo": "RLOOTrainer",
-    "online_dpo": "OnlineDPOTrainer",
-}
+TRAINER_CLASSES = {name: spec.trainer_class for name, spec in TRAINER_SPECS.items()}
 #: the hub's host, when `HF_ENDPOINT` does not name another
 HUB_ENDPOINT = "https://huggingface.co"
 #: set to see the traceback behind an error line
@@ -239,7 +234,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--trainer",
-        choices=TRAINERS,
+        choices=CHOICES,
         default="dpo",
         help="dpo, reward, orpo, cpo: preference data (chosen/rejected; reward: or ranked completions); kto: "
         "unpaired data (prompt/completion/label, or pairs TRL unpairs); sft: supervised data (text, messages, or "
@@ -647,10 +642,9 @@ def _check_columns(dataset, args) -> None:
             "the tokens of images"
         )
     from ..validation import check_dataset_columns
-    from .train import columns_needed
 
     try:
-        check_dataset_columns(dataset, args.dataset_train_split, *columns_needed(args.trainer))
+        check_dataset_columns(dataset, args.dataset_train_split, TRAINER_SPECS[args.trainer].columns)
     except ValueError as error:
         hint = ""
         if "prompt" in columns and not {"chosen", "rejected", "completions", "completion"} & columns:
@@ -823,8 +817,12 @@ def reward_dataset(dataset, tokenizer, max_length: int | None):
 def _preprocess(trainer: str, prepare, dataset, tokenizer, *limits):
     """`prepare(dataset, tokenizer, *limits)`, the preprocessing of TRL's `trainer`; a dataset it cannot take (a
     column it lacks, a message or text the chat template or tokenizer refuses) is one error line."""
+    from ..validation import NoRowsLeft
+
     try:
         return prepare(dataset, tokenizer, *limits)
+    except NoRowsLeft as error:  # the trainer's own check, after TRL's preprocessing
+        raise StatsError(_one_line(error)) from None
     except (ValueError, KeyError) as error:  # the checks of the data and the tokenizer's; a column it reads
         cause = f"it reads a column {error} that the dataset lacks" if isinstance(error, KeyError) else _cause(error)
         raise StatsError(f"TRL's {trainer} preprocessing cannot take this dataset ({cause})") from None
@@ -1102,7 +1100,7 @@ def plan_rows(rows: list[list[int]], examples: list[int], pad_token_id: int, sco
     From the layout's plan (`plan_layout`), without assembling the shared rows."""
     import torch
 
-    from ..layout import plan_layout
+    from ..trie import plan_layout
 
     width = max(map(len, rows))
     input_ids = torch.tensor([row + [pad_token_id] * (width - len(row)) for row in rows])
@@ -1340,35 +1338,23 @@ def preference_report(dataset, tokenizer, args) -> None:
 
 # --------------------------------------------------------------------------------------------------- SFT
 #
-# TRL 1.16's own SFT preprocessing (`SFTTrainer._prepare_dataset`, called on an instance built without a model) and
-# collator (`DataCollatorForLanguageModeling`); the layout is the package's `PrefixSharingCollator` with the SFT
-# trainer's examples and prompts, so the counts are what training lays out.
+# This package's SFT trainer, built on a stand-in model without weights (`prepared.prepared_trainer`): TRL's own SFT
+# preparation, and the trainer's own collator (TRL's, wrapped in `PrefixSharingCollator` with the SFT trainer's
+# examples and prompts), so the counts are what training lays out (`test_stats_sft_counts_what_a_training_run_logs`).
 
 
-def sft_dataset(dataset, tokenizer, max_length: int | None, truncation_mode: str):
-    """`dataset` as TRL's `SFTTrainer` prepares it: `input_ids` and `labels` per example (-100 on the tokens it does
-    not train on). TRL's own `_prepare_dataset` does it: `text` tokenized as it is, `messages` through the chat
-    template, `prompt` + `completion` (text or conversational) with the prompt masked (`completion_only_loss`, TRL's
-    default for that format); EOS added to text; truncated to `max_length` by `truncation_mode`, the examples left
-    with no trained token dropped. No packing, no shuffling, no `assistant_only_loss`."""
-    from types import SimpleNamespace
+def sft_trainer(dataset, tokenizer, max_length: int | None, truncation_mode: str, join: str = SFT_JOIN):
+    """This package's `SFTTrainer` built on a stand-in model without weights (`prepared.prepared_trainer`): its
+    `train_dataset` is `dataset` as TRL prepares it (`input_ids` and `labels` per example, -100 on the tokens it does
+    not train on: `text` tokenized as it is, `messages` through the chat template, `prompt` + `completion` with the
+    prompt masked by TRL's default `completion_only_loss`; EOS added to text; truncated to `max_length` by
+    `truncation_mode`, the examples left with no trained token dropped), and its `data_collator` lays out each
+    micro-batch as training does, under the join rule `join`. No packing, no shuffling, no `assistant_only_loss`."""
+    from .prepared import prepared_trainer
 
-    import trl
-
-    first = dataset[0]
-    trainer = object.__new__(trl.SFTTrainer)
-    trainer._tokenizer = tokenizer
-    trainer.chat_template = None  # TRL's own template only with `assistant_only_loss`
-    trainer.completion_only_loss = "prompt" in first and "completion" in first  # `completion_only_loss=None`
-    config = SimpleNamespace(
-        dataset_num_proc=None,
-        dataset_text_field="text",
-        assistant_only_loss=False,
-        max_length=max_length,
-        truncation_mode=truncation_mode,
-        shuffle_dataset=False,
+    return prepared_trainer(
+        "sft", dataset, tokenizer, max_length=max_length, truncation_mode=truncation_mode, prefix_sharing_join=join
     )
-    return trl.SFTTrainer._prepare_dataset(trainer, dataset, tokenizer, config, False, None, "train")
 
 
 @dataclass
@@ -1397,7 +1383,7 @@ class _SFTCounts:
 
 
 def _count_sft_plan(counts: _SFTPlanCounts, plan, rows: list[list[int]]) -> None:
-    """Add one micro-batch's plan (`layout.LayoutPlan`) of the stock `rows` to `counts`."""
+    """Add one micro-batch's plan (`trie.LayoutPlan`) of the stock `rows` to `counts`."""
     from collections import Counter
 
     order, document = plan.order.tolist(), plan.document.tolist()
@@ -1419,19 +1405,13 @@ def _count_sft_plan(counts: _SFTPlanCounts, plan, rows: list[list[int]]) -> None
         counts.joined += sizes[document[i]] > 1
 
 
-def _measure_sft(dataset, pad_token_id: int, batch_size: int, join: str) -> _SFTCounts:
-    """Each micro-batch of `batch_size` consecutive examples collated by TRL's SFT collator and planned as training
-    lays it out (`PrefixSharingCollator.plans`, the SFT trainer's examples and prompts): per join rule (`auto`: both
-    plans it chooses from), the positions of the shared rows."""
-    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+def _measure_sft(dataset, collator, batch_size: int) -> _SFTCounts:
+    """Each micro-batch of `batch_size` consecutive examples collated and planned by the SFT trainer's own collator
+    (`PrefixSharingCollator.plans`): per join rule (`auto`: both plans it chooses from), the positions of the shared
+    rows."""
+    from ..sft_trainer import prompt_end
 
-    from ..collator import PrefixSharingCollator
-    from ..sft_trainer import prompt_end, sft_examples, sft_prompt_lengths
-
-    base = DataCollatorForLanguageModeling(pad_token_id=pad_token_id)
-    collator = PrefixSharingCollator(
-        base, pad_token_id, join=join, examples_of=sft_examples, prompts_of=sft_prompt_lengths
-    )
+    base = collator.base_collator
     counts = _SFTCounts()
     for examples in _batches(dataset.select_columns(["input_ids", "labels"]), batch_size, "Measuring"):
         batch = base(examples)
@@ -1520,22 +1500,20 @@ def _print_sft_report(args, counts: _SFTCounts, completion_only_loss: bool) -> N
 def sft_report(dataset, tokenizer, args) -> None:
     """The report on SFT data (`--trainer sft`): prepared as TRL's SFT trainer prepares it, each micro-batch's rows
     laid out as training lays them out."""
-    from ..trl_internals import check_trl_internals
-
-    check_trl_internals("stats")  # TRL's SFT preparation is called as this package lists it
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     first = dataset[0]
     completion_only_loss = "prompt" in first and "completion" in first
     with _quiet_preprocessing(dataset):
-        dataset = _preprocess(
-            "SFTTrainer", sft_dataset, dataset, tokenizer, args.max_length or None, args.truncation_mode
+        trainer = _preprocess(
+            "SFTTrainer",
+            sft_trainer,
+            dataset,
+            tokenizer,
+            args.max_length or None,
+            args.truncation_mode,
+            args.prefix_sharing_join,
         )
-    if not len(dataset):
-        raise StatsError(
-            f"no examples left after TRL's preprocessing: truncation to --max_length {args.max_length} left none "
-            "with a token to train on; raise --max_length"
-        )
-    counts = _measure_sft(dataset, tokenizer.pad_token_id, args.per_device_train_batch_size, args.prefix_sharing_join)
+    counts = _measure_sft(trainer.train_dataset, trainer.data_collator, args.per_device_train_batch_size)
     _print_sft_report(args, counts, completion_only_loss)
 
 

@@ -10,6 +10,8 @@ import os
 import re
 from pathlib import Path
 
+from ..trainers import TRAINERS
+
 
 _LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 #: builder -> (the format's name, what a file of it holds), for the errors about a local dataset file
@@ -49,19 +51,15 @@ def _parser_class():
 def make_parser(command: str, prog: str | None = None):
     """TRL's parser structure (`trl.scripts.dpo.make_parser`) with this package's config for `command`; its errors
     are one line naming `prog` (default `trl-prefix-sharing <command>`)."""
-    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments
-    from trl.scripts.grpo import GRPOScriptArguments
-    from trl.scripts.rloo import RLOOScriptArguments
+    from trl import DatasetMixtureConfig, ModelConfig
 
     import trl_prefix_sharing
 
-    script_args = {
-        "grpo": GRPOScriptArguments,
-        "rloo": RLOOScriptArguments,
-        # TRL ships no online DPO script: GRPO's script arguments name the reward the same way
-        "online_dpo": GRPOScriptArguments,
-    }.get(command, ScriptArguments)
-    config = getattr(trl_prefix_sharing, _NAMES[command] + "Config")  # only this command's trainer module is imported
+    from ..trl_internals import _resolve
+
+    spec = TRAINERS[command]
+    script_args = _resolve(spec.script_arguments)
+    config = getattr(trl_prefix_sharing, spec.config_class)  # only this command's trainer module is imported
     return _parser_class()(
         (script_args, config, ModelConfig, DatasetMixtureConfig), prog=prog or f"trl-prefix-sharing {command}"
     )
@@ -133,22 +131,6 @@ def check_config_file(argv: list[str]) -> None:
             f"Config file {name!r} {found}; it needs a YAML mapping of argument names to values "
             "(`learning_rate: 5.0e-7`)."
         )
-
-
-#: command -> the name of its trainer and config in this package (`<name>Trainer`, `<name>Config`)
-_NAMES = {
-    "dpo": "DPO",
-    "reward": "Reward",
-    "grpo": "GRPO",
-    "rloo": "RLOO",
-    "online_dpo": "OnlineDPO",
-    "kto": "KTO",
-    "orpo": "ORPO",
-    "cpo": "CPO",
-    "sft": "SFT",
-}
-#: trainers that take no `quantization_config` and load no tokenizer from a model name: both are given here
-_LOADED_HERE = ("online_dpo", "orpo", "cpo")
 
 
 def load_reward_funcs(script_args) -> list:
@@ -271,47 +253,6 @@ def load_script_dataset(script_args, dataset_args):
     )
 
 
-#: command -> (accepted column sets, what a dataset needs), for the commands whose trainer module defines none; DPO's
-#: and the reward trainer's are `DPO_COLUMNS` and `REWARD_COLUMNS`
-_PROMPT_COLUMNS = (
-    ({"prompt"},),
-    "it needs a 'prompt' column, text or conversational (the completions are generated).",
-)
-_PAIR_COLUMNS = (
-    ({"chosen", "rejected"},),
-    "a preference dataset needs 'chosen' and 'rejected' (and optionally 'prompt'), text or conversational.",
-)
-_COLUMNS = {
-    "grpo": _PROMPT_COLUMNS,
-    "rloo": _PROMPT_COLUMNS,
-    "online_dpo": _PROMPT_COLUMNS,
-    "orpo": _PAIR_COLUMNS,
-    "cpo": _PAIR_COLUMNS,
-    "sft": (
-        ({"text"}, {"messages"}, {"prompt", "completion"}),
-        "an SFT dataset needs 'text', 'messages', or 'prompt' and 'completion', text or conversational.",
-    ),
-    "kto": (
-        ({"prompt", "completion", "label"}, {"chosen", "rejected"}),
-        "a KTO dataset needs 'prompt', 'completion' and 'label' (unpaired), or 'chosen' and 'rejected' (and "
-        "optionally 'prompt': preference pairs, which TRL unpairs), text or conversational.",
-    ),
-}
-
-
-def columns_needed(command: str) -> tuple[tuple[set[str], ...], str]:
-    """(the column sets `command`'s trainer accepts, one of them present in full; what a dataset needs)."""
-    if command == "dpo":
-        from ..dpo_trainer import DPO_COLUMNS
-
-        return DPO_COLUMNS
-    if command == "reward":
-        from ..reward_trainer import REWARD_COLUMNS
-
-        return REWARD_COLUMNS
-    return _COLUMNS[command]
-
-
 def check_split(command: str, dataset, name: str, split: str) -> None:
     """An error for a split with no rows or without the columns `command` reads, before TRL's preprocessing (where
     they end in a bare `StopIteration` or `KeyError`, or, for RLOO, a run of no steps), prefix sharing or not."""
@@ -329,9 +270,9 @@ def check_split(command: str, dataset, name: str, split: str) -> None:
         columns = set(first)
     else:
         return
-    accepted, needs = columns_needed(command)
-    if not any(required <= columns for required in accepted):
-        raise ValueError(f"{where} has columns {sorted(columns)}; {needs}")
+    needed = TRAINERS[command].columns
+    if not any(required <= columns for required in needed.accepted):
+        raise ValueError(f"{where} has columns {sorted(columns)}; {needed.needs}")
 
 
 def load_splits(command: str, script_args, training_args, dataset_args):
@@ -400,10 +341,11 @@ def build_trainer(command: str, script_args, training_args, model_args, dataset_
     training_args.model_init_kwargs = model_init_kwargs
     train_dataset, eval_dataset = load_splits(command, script_args, training_args, dataset_args)
 
-    trainer_cls = getattr(trl_prefix_sharing, _NAMES[command] + "Trainer")
-    rewards = {"reward_funcs": load_reward_funcs(script_args)} if command in ("grpo", "rloo", "online_dpo") else {}
+    spec = TRAINERS[command]
+    trainer_cls = getattr(trl_prefix_sharing, spec.trainer_class)
+    rewards = {"reward_funcs": load_reward_funcs(script_args)} if spec.generates else {}
     loading = {"quantization_config": get_quantization_config(model_args)}  # how the trainer loads the model
-    if command in _LOADED_HERE:  # no `quantization_config` argument (the model is loaded with these kwargs)
+    if spec.loads_tokenizer:  # no `quantization_config` argument (the model is loaded with these kwargs)
         from transformers import AutoTokenizer  # and a tokenizer given explicitly
 
         quantization_config = loading.pop("quantization_config")
