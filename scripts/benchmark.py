@@ -133,7 +133,7 @@ class ActivationMeter:
 
         self.peak = 0
         original = trainer.compute_loss
-        tuning = getattr(getattr(trainer, "sharing", None), "tuning", None)
+        tuning = getattr(getattr(trainer, "sharing_session", None), "tuning", None)
 
         def compute_loss(*args, **kwargs):
             if tuning is not None and tuning.pending:
@@ -269,7 +269,7 @@ def run_profile(kind, model, tokenizer, dataset, args, tmp):
             "activation_mb": trainer.meter.peak / 2**20,
             "peak_memory_gb": trainer.peak_memory / 2**30 if cuda else None,
             "packing_efficiency": trainer.efficiency,
-            "attn_implementation": getattr(getattr(trainer, "sharing", None), "attn_implementation", None),
+            "attn_implementation": getattr(getattr(trainer, "sharing_session", None), "attn_implementation", None),
         }
     del trainers
     gc.collect()

@@ -61,7 +61,7 @@ def run_profile(kind, model, tokenizer, dataset, args, tmp):
     for trainer in trainers.values():
         trainer.kernels = KernelCounter(trainer.data_collator)
         trainer.data_collator = trainer.kernels
-    tuning = trainers["sharing"].sharing.tuning
+    tuning = trainers["sharing"].sharing_session.tuning
     for trainer in trainers.values():  # warm-up: "auto" measures here, and its close candidates take their turns
         bench.train_one_epoch(trainer, False)
     for _ in range(4):  # "auto"'s warm-up lasts until they took them (short epochs: a few micro-batches)

@@ -231,7 +231,7 @@ def layout_of(trainer_name, trainer, variant, made):
     else:
         ids = torch.cat([made["prompt_ids"], made["completion_ids"]], dim=1)
         mask = torch.cat([made["prompt_mask"], made["completion_mask"]], dim=1)
-        layout = trainer.sharing.generated_layout(ids, mask, made["prompt_ids"].shape[1])
+        layout = trainer.sharing_session.generated_layout(ids, mask, made["prompt_ids"].shape[1])
     return layout, tuple(layout.input_ids.shape)
 
 
@@ -256,7 +256,7 @@ def run(trainer_name, profile, model, tokenizer, args, tmp):
     model_time = {v: [] for v in VARIANTS}
     made = {}
     for variant in VARIANTS:  # warm-up: two steps; `"auto"`'s until its close candidates took their turns, one more
-        tuning = trainers[variant].sharing.tuning if variant != "stock" else None
+        tuning = trainers[variant].sharing_session.tuning if variant != "stock" else None
         for i in range(2 + (len(tuning.contenders) * SAMPLES if tuning is not None else 0)):  # bounded
             if i >= 2 and tuning.settled and tuning.refined is not None:
                 break
@@ -266,14 +266,14 @@ def run(trainer_name, profile, model, tokenizer, args, tmp):
         for variant in order:
             h, m, made[variant] = step(trainers[variant], inputs[variant])  # the last step's layout is reported
             if variant != "stock":  # the next step of this variant does not follow this one: not timed across
-                trainers[variant].sharing.tuning.steps.stop()
+                trainers[variant].sharing_session.tuning.steps.stop()
             host[variant].append(h)
             model_time[variant].append(m)
     results = {}
     for variant in VARIANTS:
         trainer = trainers[variant]
         if variant != "stock":
-            trainer.sharing.attach()
+            trainer.sharing_session.attach()
         layout, (num_rows, width) = layout_of(trainer_name, trainer, variant, made[variant])
         shared = layout is not None and not layout.is_stock  # `"auto"` may run stock's own rows
         pairs_seen = int(layout.visible_pairs) if shared else num_rows * width * (width + 1) // 2
@@ -282,10 +282,12 @@ def run(trainer_name, profile, model, tokenizer, args, tmp):
             "width": width,
             "positions": num_rows * width,
             "join": layout.join if layout is not None else None,
-            "kernel": (layout.kernel or trainer.sharing.backend.name) if layout is not None else None,
+            "kernel": (layout.kernel or trainer.sharing_session.backend.name) if layout is not None else None,
             # `"auto"`: what its start-up measurement timed and chose (`trl_prefix_sharing.tuning`)
-            "measured": trainer.sharing.tuning.summary if variant != "stock" else None,
-            "refined": trainer.sharing.tuning.refined if variant != "stock" else None,  # what its turns measured
+            "measured": trainer.sharing_session.tuning.summary if variant != "stock" else None,
+            "refined": trainer.sharing_session.tuning.refined
+            if variant != "stock"
+            else None,  # what its turns measured
             "visible_pairs": pairs_seen,
             "estimate": cost.estimate(num_rows, width, pairs_seen),
             # FlexAttention (not run here): the visible pairs only; stock as a causal kernel runs it, half its rows'
@@ -295,7 +297,7 @@ def run(trainer_name, profile, model, tokenizer, args, tmp):
             "steps_s": [round(host[variant][i] + model_time[variant][i], 4) for i in range(args.repeats)],
         }
         if variant != "stock":
-            trainer.sharing.detach()
+            trainer.sharing_session.detach()
     stock = results["stock"]
     for variant in VARIANTS:
         r = results[variant]

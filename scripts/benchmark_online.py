@@ -148,8 +148,8 @@ def make_trainer(variant, model, tokenizer, args, tmp):
         trainer.ref_model = copy.deepcopy(model).eval()
         add_fused_lm_head(trainer.ref_model)
         if variant == "sharing":  # set up again, the reference model included
-            trainer.sharing.detach()
-            trainer.sharing = None
+            trainer.sharing_session.detach()
+            trainer.sharing_session = None
             trainer._setup_prefix_sharing()
     return trainer
 
@@ -261,7 +261,7 @@ def positions(batches, trainer, args):
             mask,
             prompt_ids.shape[1],
             0,
-            rows=trainer.sharing.rows,
+            rows=trainer.sharing_session.rows,
             score_padding=online_dpo,
         )
         counts["stock_padded_positions"] += ids.numel()

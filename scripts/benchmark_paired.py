@@ -200,7 +200,7 @@ class PositionCounter:
     """Forward pre-hooks on the backbones (`model.model`) of the policy and reference: per pass kind (policy or
     reference), the calls, positions (rows x width), real tokens and dense attention scores (rows x width^2), plain
     and weighted (a gradient pass x `GRAD_WEIGHT`). Shared calls are recognised by their `input_ids`, the rows of a
-    layout the trainer built (`trainer.sharing.layout`, wrapped while counting)."""
+    layout the trainer built (`trainer.sharing_session.layout`, wrapped while counting)."""
 
     KEYS = ("calls", "positions", "tokens", "laid", "scores")
 
@@ -214,16 +214,16 @@ class PositionCounter:
         for pass_, model in models.items():
             if model is not None:
                 self.handles.append(model.model.register_forward_pre_hook(self._hook(pass_), with_kwargs=True))
-        self.sharing = getattr(trainer, "sharing", None)
-        if self.sharing is not None:
-            original = self.sharing.layout
+        self.sharing_session = getattr(trainer, "sharing_session", None)
+        if self.sharing_session is not None:
+            original = self.sharing_session.layout
 
             def layout(*a, **k):
                 result = original(*a, **k)
                 self.layouts.append(result)
                 return result
 
-            self.sharing.layout = layout
+            self.sharing_session.layout = layout
 
     def _hook(self, pass_):
         import torch
@@ -249,8 +249,8 @@ class PositionCounter:
     def remove(self):
         for handle in self.handles:
             handle.remove()
-        if self.sharing is not None:
-            del self.sharing.layout  # the instance attribute: the method again
+        if self.sharing_session is not None:
+            del self.sharing_session.layout  # the instance attribute: the method again
         self.layouts.clear()
 
     def total(self, key, weighted=True):

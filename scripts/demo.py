@@ -275,7 +275,7 @@ def main(argv=None):
     from transformers.utils import logging as hf_logging
 
     from trl_prefix_sharing import DPOConfig, DPOTrainer
-    from trl_prefix_sharing.preference import logger as sharing_logger
+    from trl_prefix_sharing.collated import logger as sharing_logger
 
     datasets.disable_progress_bars()
     hf_logging.set_verbosity_error()

@@ -620,7 +620,7 @@ def bench_variant(kind, variant, model, tokenizer, dataset, settings, clock, tmp
     n, timed_steps = len(trainer.train_dataset), steps * settings.repeats
     median = sorted(times)[len(times) // 2]
     mask_gpu = clock.mask_gpu_s()
-    sharing = getattr(trainer, "sharing", None)  # stock TRL's trainer has none
+    sharing = getattr(trainer, "sharing_session", None)  # stock TRL's trainer has none
     result = {
         "pairs_per_s": n / median,
         "epoch_times_s": [round(t, 4) for t in times],
@@ -875,9 +875,9 @@ def bench_grpo(profile, model, tokenizer, settings, clock, tmp, g=8) -> dict:
             "mask_gpu_ms_per_step": (
                 1000 * statistics.median(h[2] for h in sharing_host) if sharing_host[0][2] is not None else None
             ),
-            "attn_implementation": trainers["sharing"].sharing.backend.name,
-            "auto_measured": trainers["sharing"].sharing.tuning.summary,
-            "auto_training_steps": trainers["sharing"].sharing.tuning.refined,
+            "attn_implementation": trainers["sharing"].sharing_session.backend.name,
+            "auto_measured": trainers["sharing"].sharing_session.tuning.summary,
+            "auto_training_steps": trainers["sharing"].sharing_session.tuning.refined,
             "compiled_variants": compiled_variants(),
             **monitor,
         }

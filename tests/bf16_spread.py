@@ -104,7 +104,7 @@ def main():
                         "stock one by one": one_by_one(stock, examples),
                     }
                     if args.flex:  # FlexAttention (CPU forward): CUDA's default for the shared rows
-                        shared.sharing.backend = BACKENDS["flex_attention"]
+                        shared.sharing_session.backend = BACKENDS["flex_attention"]
                         shared.model.set_attn_implementation("flex_attention")
                         rows["shared (flex)"] = per_token_logps(shared, examples)
                     for kind, other in rows.items():

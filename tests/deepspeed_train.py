@@ -228,7 +228,7 @@ def main():
                 "world": trainer.args.world_size,
                 "pairs_per_batch": pairs_per_batch,
                 "check": None
-                if getattr(trainer, "sharing", None) is None or trainer.model_check.result is None
+                if getattr(trainer, "sharing_session", None) is None or trainer.model_check.result is None
                 else trainer.model_check.result.summary(),
             }
             if trainer.args.process_index == 0:

@@ -316,7 +316,7 @@ def test_flex_attention_forward_matches_stock(tmp_path, tokenizer, family, varia
     if family not in SUPPORTED or variant not in SUPPORTED[family]["variants"]:
         pytest.skip(f"{family} {variant} is not in the registry")
     stock, shared = _dpo(tmp_path, tokenizer, family, variant)
-    shared.sharing.backend = attention_module.BACKENDS["flex_attention"]
+    shared.sharing_session.backend = attention_module.BACKENDS["flex_attention"]
     shared.model.set_attn_implementation("flex_attention")
     examples = list(stock.train_dataset)
     results = []

@@ -50,7 +50,7 @@ def test_flex_attention_compiles_a_bounded_number_of_times_and_equals_stock(tmp_
     stock, shared = make_trainers(tmp_path, "llama", train, tokenizer, eval_dataset=evaluation)
     for trainer in (stock, shared):
         trainer.ref_model.eval()  # as `from_pretrained` leaves it: every step switches FlexAttention's training flag
-    assert shared.sharing.backend.name == "flex_attention" and shared.data_collator.rows.multiple == 128
+    assert shared.sharing_session.backend.name == "flex_attention" and shared.data_collator.rows.multiple == 128
     # each pair its own document, so that every width stays in one 128-token bucket: pairs that share a prompt start
     # join one longer document (tests/test_trie_sharing.py), which can cross buckets and make the width dynamic, and a
     # dynamic width hits the CPU kernel bug above (tests/test_cuda.py crosses buckets on CUDA)

@@ -113,7 +113,7 @@ def on_cuda(make, *args, gpu=ON_GPU, config_kwargs=None, **kwargs):
 def _check_flex_trainer(trainer):
     """Called after a step: FlexAttention chosen, checkpointing still on (TRL's reference pass switches it off and
     back), a head size CUDA FlexAttention accepts."""
-    assert trainer.sharing.backend.name == "flex_attention"
+    assert trainer.sharing_session.backend.name == "flex_attention"
     assert is_checkpointing(trainer.model)
     assert head_size(trainer.model.config) >= 16
 
@@ -534,7 +534,7 @@ def test_grpo_and_online_dpo_flex_log_probs_and_gradients_match_stock(tmp_path, 
         make_group_trainer("grpo", ours, path, prompt_dataset(), tokenizer, tmp_path, use_cpu=False)
         for ours in (False, True)
     )
-    assert shared.sharing.backend.name == "flex_attention" and head_size(shared.model.config) >= 16
+    assert shared.sharing_session.backend.name == "flex_attention" and head_size(shared.model.config) >= 16
     expected, got = (logps_and_grads(t, input_ids, attention_mask, keep) for t in (stock, shared))
     torch.testing.assert_close(got[0], expected[0], atol=1e-4, rtol=1e-4)
     for name, grad in expected[2].items():
@@ -542,7 +542,7 @@ def test_grpo_and_online_dpo_flex_log_probs_and_gradients_match_stock(tmp_path, 
     stock, shared = make_online_dpo_trainers(
         tmp_path / "online", family, tokenizer, config_kwargs=CUDA_SIZES, use_cpu=False
     )
-    assert shared.sharing.backend.name == "flex_attention" and head_size(shared.model.config) >= 16
+    assert shared.sharing_session.backend.name == "flex_attention" and head_size(shared.model.config) >= 16
     (expected, expected_grads), (got, grads) = (
         forward_and_grads(t, input_ids, attention_mask, keep) for t in (stock, shared)
     )
@@ -566,7 +566,7 @@ def _varlen(packing=False, **extra):
 
 def _check_varlen(trainer, batch=None):
     """The varlen backend ran: one unpadded row of query segments, checkpointing still on where it was asked."""
-    assert trainer.sharing.backend.name == "varlen"
+    assert trainer.sharing_session.backend.name == "varlen"
     assert trainer.model.config._attn_implementation == "prefix_sharing_varlen"
     if batch is not None:
         layout = batch["prefix_sharing"]
@@ -753,7 +753,7 @@ def test_varlen_grpo_and_online_dpo_log_probs_in_bf16(tmp_path, tokenizer, famil
         for ours in (False, {"prefix_sharing_attn_implementation": "varlen"})
     )
     expected, got = (logps_and_grads(t, input_ids, attention_mask, keep) for t in (stock, shared))
-    assert shared.sharing.backend.name == "varlen"
+    assert shared.sharing_session.backend.name == "varlen"
     mask = attention_mask[:, -keep:].bool()
     assert (got[0][mask].float() - expected[0][mask].float()).abs().max() <= 0.05
     assert all(torch.isfinite(grad).all() for grad in got[2].values()) and got[2]
@@ -765,7 +765,7 @@ def test_varlen_grpo_and_online_dpo_log_probs_in_bf16(tmp_path, tokenizer, famil
         ours={"prefix_sharing_attn_implementation": "varlen"},
         use_cpu=False,
     )
-    assert shared.sharing.backend.name == "varlen"
+    assert shared.sharing_session.backend.name == "varlen"
     (expected, _), (got, grads) = (forward_and_grads(t, input_ids, attention_mask, keep) for t in (stock, shared))
     assert (got.float() - expected.float()).abs().max() <= 0.05  # padding columns included
     assert all(torch.isfinite(grad).all() for grad in grads.values()) and grads

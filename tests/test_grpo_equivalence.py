@@ -299,7 +299,7 @@ def test_generation_runs_on_the_models_own_attention(tmp_path, tokenizer, model_
         seen.clear()
         runs.append(train(trainer))
         assert len(seen) == 2 and set(seen) == {"eager"}, seen  # one generation per step
-    assert trainer.sharing.backend.name == "sdpa"
+    assert trainer.sharing_session.backend.name == "sdpa"
     assert trainer.model.config._attn_implementation == "eager"  # as TRL left it, after `train()`
     assert_same_runs(*runs)
     trainer.remove_prefix_sharing()

@@ -279,7 +279,7 @@ def test_training_matches_stock(tmp_path, tokenizer, setting):
     if setting == "eager-attention":
         assert trainers[0].model.config._attn_implementation == "eager"
         assert trainers[0].ref_model.config._attn_implementation == "eager"
-        assert trainers[1].sharing.backend.name == "sdpa"
+        assert trainers[1].sharing_session.backend.name == "sdpa"
 
 
 def reference_weights(trainer) -> dict:

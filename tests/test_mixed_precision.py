@@ -263,7 +263,7 @@ def test_removing_the_patches_gives_back_accelerates_wrapper(tmp_path, tokenizer
     `remove_prefix_sharing()` gives back exactly that wrapped forward."""
     trainer = _online_dpo(True, tmp_path, tokenizer, bf16=True)
     ref = trainer.ref_model
-    trainer.sharing.attach()  # as within `train()`
+    trainer.sharing_session.attach()  # as within `train()`
     assert "_original_forward" in ref.__dict__  # accelerate's mark of its mixed-precision wrapper
     before = ref.__dict__["_prefix_sharing_unfused_forward"]  # the forward as the package found it
     trainer.remove_prefix_sharing()

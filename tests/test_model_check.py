@@ -25,7 +25,7 @@ from group_equivalence import assert_same_runs, make_group_trainer, prompt_datas
 
 from trl_prefix_sharing import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer
 from trl_prefix_sharing.architectures import check_supported_model
-from trl_prefix_sharing.model_check import MIN_PROMPT, _stretch, check_rows
+from trl_prefix_sharing.model_check import MIN_PROMPT, _stretch, examples_to_check
 from trl_prefix_sharing.testing import make_config
 
 
@@ -67,11 +67,13 @@ def test_check_rows_from_awkward_batches():
     generations of a group share everything, so they could not show a layout error); left padding read."""
     ids = torch.tensor([[0, 5, 6, 7, 8], [0, 5, 6, 9, 0], [0, 0, 4, 3, 3], [0, 0, 0, 0, 4]])
     mask = (ids != 0).long()
-    examples = check_rows(ids, mask, prompt_lengths=torch.tensor([2, 2, 1, 1]))
+    examples = examples_to_check(ids, mask, prompt_lengths=torch.tensor([2, 2, 1, 1]))
     assert examples == [([5, 6], [[7, 8], [9]]), ([4], [[3, 3], [7, 8]])]  # the empty one replaced
     same = torch.tensor([[4, 3, 3], [4, 3, 3]])
-    assert check_rows(same, torch.ones_like(same), prompt_lengths=torch.tensor([1, 1])) == [([4], [[3, 3], [4]])]
-    reward = check_rows(ids[:2], mask[:2], examples=torch.tensor([0, 0]))
+    assert examples_to_check(same, torch.ones_like(same), prompt_lengths=torch.tensor([1, 1])) == [
+        ([4], [[3, 3], [4]])
+    ]
+    reward = examples_to_check(ids[:2], mask[:2], examples=torch.tensor([0, 0]))
     assert reward == [([5, 6], [[7, 8], [9]])]
 
 
@@ -116,7 +118,7 @@ def test_model_that_breaks_the_layout_is_refused_before_training(tmp_path, token
 def test_short_prompts_are_stretched():
     """One-token prompts cannot show a position or window error (the last prompt token starts every branch again):
     the check repeats the prompt tokens to `MIN_PROMPT` tokens, and to a window's length."""
-    rows = check_rows(*(torch.tensor([[9, 5, 6, 0], [9, 7, 0, 0]]), torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])))
+    rows = examples_to_check(*(torch.tensor([[9, 5, 6, 0], [9, 7, 0, 0]]), torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])))
     ((prompt, completions),) = _stretch(rows, WINDOW, 4096)
     assert prompt == [9] * MIN_PROMPT and completions == [[5, 6], [7]]
     ((prompt, _),) = _stretch(rows, 3 * MIN_PROMPT, 4096)
@@ -294,7 +296,7 @@ def test_shared_rows_that_cannot_run_are_refused_with_the_cause(tmp_path, tokeni
     def failing_layout(*args, **kwargs):
         raise RuntimeError("no kernel for this mask")
 
-    shared.sharing.layout = failing_layout
+    shared.sharing_session.layout = failing_layout
     with pytest.raises(
         ValueError, match=r"could not run .* \(RuntimeError: no kernel for this mask\)\. Train it with"
     ):

@@ -62,7 +62,7 @@ def test_attention_switch_is_scoped_and_reversible(tokenizer):
 def test_remove_prefix_sharing_restores_forward(tmp_path, tokenizer):
     _, shared = make_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer)
     policy = shared.model
-    shared.sharing.attach()  # as within `train()`
+    shared.sharing_session.attach()  # as within `train()`
     assert "_prefix_sharing_original_forward" in policy.__dict__
     shared.remove_prefix_sharing()
     assert "_prefix_sharing_original_forward" not in policy.__dict__
@@ -87,7 +87,7 @@ def test_flex_attention_through_the_model_matches_stock(tmp_path, tokenizer, fam
     from torch.nn.attention.flex_attention import BlockMask
 
     stock, shared = make_trainers(tmp_path, family, awkward_text_dataset(), tokenizer, config_kwargs=config_kwargs)
-    shared.sharing.backend = BACKENDS["flex_attention"]
+    shared.sharing_session.backend = BACKENDS["flex_attention"]
     shared.data_collator.tuning = None  # the session's one backend lays out every batch
     shared.model.set_attn_implementation("flex_attention")
     examples = [stock.train_dataset[i] for i in range(len(stock.train_dataset))]

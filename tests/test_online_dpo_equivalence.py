@@ -154,7 +154,7 @@ def test_training_matches_stock(tmp_path, tokenizer, setting):
 def test_remove_prefix_sharing_restores_the_models(tmp_path, tokenizer):
     _, shared = make_trainers(tmp_path, "llama", tokenizer)
     assert "forward" not in shared.model.__dict__  # patched only within `train()`, `evaluate()`, `predict()`
-    shared.sharing.attach()
+    shared.sharing_session.attach()
     assert "forward" in shared.model.__dict__
     shared.remove_prefix_sharing()
     assert "forward" not in shared.model.__dict__ and "forward" not in shared.ref_model.__dict__
@@ -172,7 +172,7 @@ def test_generation_runs_on_the_models_own_attention(tmp_path, tokenizer, monkey
         seen.clear()
         runs.append(train(trainer))
         assert len(seen) == 2 and set(seen) == {"eager"}, seen
-    assert shared.sharing.backend.name == "sdpa"
+    assert shared.sharing_session.backend.name == "sdpa"
     assert shared.model.config._attn_implementation == "eager"  # as TRL left it, after `train()`
     assert_same_runs(*runs)
     shared.remove_prefix_sharing()

@@ -97,7 +97,7 @@ def test_a_forward_replaced_at_the_start_of_training_is_refused(tmp_path, tokeni
     _, shared = make_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer, use_liger_kernel=True)
     with pytest.raises(RuntimeError, match=r"no longer in place \(`use_liger_kernel=True`: transformers applies"):
         shared.train()
-    assert not shared.sharing.attached  # the patches taken off on the way out
+    assert not shared.sharing_session.attached  # the patches taken off on the way out
 
 
 @pytest.mark.parametrize("name", ["cache", "past_key_values", "inputs_embeds", "position_ids"])

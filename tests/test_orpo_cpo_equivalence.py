@@ -251,7 +251,7 @@ def test_training_matches_stock(tmp_path, tokenizer, setting):
     assert_same_training(stock, shared)
     if "eager" in setting:
         assert trainers[0].model.config._attn_implementation == "eager"
-        assert trainers[1].sharing.backend.name == "sdpa"
+        assert trainers[1].sharing_session.backend.name == "sdpa"
 
 
 @pytest.mark.parametrize("kind", ["orpo", "cpo"])

@@ -289,7 +289,7 @@ def test_ranked_and_pairwise_datasets_cannot_be_mixed(tmp_path, tokenizer):
 
 
 def test_pairs_without_a_common_prefix_are_counted(tmp_path, tokenizer):
-    from trl_prefix_sharing.stats import sharing_stats
+    from trl_prefix_sharing.savings import sharing_stats
 
     stock, shared = make_reward_trainers(tmp_path, "llama", _empty_prompts(), tokenizer, max_length=30)
     assert len(shared.train_dataset) == len(stock.train_dataset) < len(_empty_prompts())  # over-long rows dropped

@@ -186,7 +186,7 @@ def test_group_positions_match_the_shared_layout():
     import torch
 
     from trl_prefix_sharing.layout import shared_group_layout
-    from trl_prefix_sharing.stats import group_stats
+    from trl_prefix_sharing.savings import group_stats
 
     for p, c, g in [(5, 7, 4), (1, 3, 2), (9, 1, 8)]:
         prompt = list(range(10, 10 + p))

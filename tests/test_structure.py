@@ -357,7 +357,7 @@ def test_every_trainer_reaches_the_session_through_the_mixin():
         source = path.read_text()
         if path.name not in {"session.py", "sharing.py"}:
             assert "PrefixSharingSession(" not in source, path.name
-        if path.name not in {"preference.py", "collator.py", "sharing.py"}:
+        if path.name not in {"collated.py", "collator.py", "sharing.py"}:
             assert "PrefixSharingCollator(" not in source, path.name
         if path.name not in {"layout.py", "session.py", "collator.py", "tuning.py"}:  # tuning: each candidate's
             assert "build_layout(" not in source and "shared_group_layout(" not in source, path.name
@@ -373,6 +373,6 @@ def test_packing_stands_apart_from_sharing():
     assert not issubclass(PackingArguments, PrefixSharingArguments)
     assert not issubclass(PrefixSharingArguments, PackingArguments)
     source = (ROOT / "trl_prefix_sharing" / "packing.py").read_text()
-    assert "self.sharing" not in source and "attn_implementation" not in source
+    assert "self.sharing_session" not in source and "attn_implementation" not in source
     collator = (ROOT / "trl_prefix_sharing" / "collator.py").read_text()
     assert "packing_length" not in collator and "pad_to_multiple_of" not in collator

@@ -159,8 +159,8 @@ def test_the_candidates_follow_the_options(tmp_path, tokenizer, ours, candidates
     _, trainer = make_trainers(
         tmp_path, "llama", awkward_text_dataset(), tokenizer, ours={"prefix_sharing": True, **ours}, max_steps=1
     )
-    assert [c.name for c in trainer.sharing.tuning.candidates] == candidates
-    assert trainer.sharing.tuning.measures == (len(candidates) > 1)
+    assert [c.name for c in trainer.sharing_session.tuning.candidates] == candidates
+    assert trainer.sharing_session.tuning.measures == (len(candidates) > 1)
 
 
 @pytest.mark.parametrize("winner", [STOCK, "varlen", "sdpa"])
@@ -190,12 +190,12 @@ def test_a_candidate_is_run_on_the_whole_batch_unless_its_half_was_slower_than_a
     stock, ours = make_trainers(tmp_path, "llama", data, tokenizer, eval_dataset=data, max_steps=2)
     assert_same_training(train_and_evaluate(stock), train_and_evaluate(ours))
     assert timer.timed == ["sdpa", "varlen", STOCK, "sdpa", "varlen"]
-    fits = ours.sharing.tuning.fits
+    fits = ours.sharing_session.tuning.fits
     assert fits["sdpa"].per_mac > 0 and fits[STOCK].per_mac == fits["sdpa"].per_mac
     assert "sdpa 2000.0 ms, varlen 2500.0 ms, stock rows more (its half of the rows took 5000.0 ms)" in (
-        ours.sharing.tuning.summary
+        ours.sharing_session.tuning.summary
     )
-    assert "It runs as sdpa, at least 2.50x stock's measured step" in ours.sharing.tuning.summary
+    assert "It runs as sdpa, at least 2.50x stock's measured step" in ours.sharing_session.tuning.summary
 
 
 class StepTimer(ScriptedTimer):
@@ -314,8 +314,8 @@ def test_dpo_equals_stock_while_close_candidates_take_turns(tmp_path, tokenizer,
     stock, ours = make_trainers(tmp_path, "llama", data, tokenizer, eval_dataset=data, max_steps=10)
     with caplog.at_level(logging.WARNING):
         assert_same_training(train_and_evaluate(stock), train_and_evaluate(ours))
-    assert ours.sharing.tuning.contenders == ("sdpa", "varlen")
-    assert "sdpa and varlen within 30% of the fastest" in ours.sharing.tuning.summary
+    assert ours.sharing_session.tuning.contenders == ("sdpa", "varlen")
+    assert "sdpa and varlen within 30% of the fastest" in ours.sharing_session.tuning.summary
     read = [name for name, _ in timer.read]
     assert read.count("sdpa") >= tuning.SAMPLES and read.count("varlen") >= tuning.SAMPLES, read
     assert len(read) <= 10 - 2  # training steps only (the first two laid out before the measurement)
@@ -363,7 +363,7 @@ def test_group_trainers_equal_stock_on_stock_rows(tmp_path, tokenizer, clock, ki
     ours_trainer = make_group_trainer(kind, True, path, dataset, tokenizer, tmp_path, max_steps=3)
     ours = train_group(ours_trainer)
     assert_same_runs(stock, ours)
-    assert STOCK in timer.timed and ours_trainer.sharing.tuning.fits[STOCK].fixed == 1.0
+    assert STOCK in timer.timed and ours_trainer.sharing_session.tuning.fits[STOCK].fixed == 1.0
 
 
 def test_the_real_clock_measures_every_candidate_and_the_run_equals_stock(tmp_path, tokenizer, caplog):
@@ -372,7 +372,7 @@ def test_the_real_clock_measures_every_candidate_and_the_run_equals_stock(tmp_pa
     stock, ours = make_trainers(tmp_path, "llama", data, tokenizer, eval_dataset=data, max_steps=3)
     with caplog.at_level(logging.WARNING):
         assert_same_training(train_and_evaluate(stock), train_and_evaluate(ours))
-    fits = ours.sharing.tuning.fits
+    fits = ours.sharing_session.tuning.fits
     assert set(fits) == {"sdpa", "varlen", STOCK}
     assert all(fit.fixed >= 0 and fit.per_mac >= 0 and fit.seconds(1e6) > 0 for fit in fits.values())
     assert any("measured a forward and backward of the first micro-batch" in r.getMessage() for r in caplog.records)
@@ -386,12 +386,12 @@ def test_the_measurement_leaves_gradients_and_modes_as_they_were(tmp_path, token
     for p in model.parameters():
         p.grad = torch.full_like(p, 3.0)
     batch = ours.data_collator([ours.train_dataset[i] for i in range(4)])
-    ours.sharing.attach()
+    ours.sharing_session.attach()
     try:
         ours._startup_check(batch["input_ids"], batch["attention_mask"], examples=torch.tensor([0, 1, 2, 3] * 2))
     finally:
-        ours.sharing.detach()
-    assert ours.sharing.tuning.fits and model.training
+        ours.sharing_session.detach()
+    assert ours.sharing_session.tuning.fits and model.training
     assert all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in model.parameters())
     assert model.config._attn_implementation == "sdpa"  # the switch put back with the patches
 
@@ -403,9 +403,12 @@ def test_a_candidate_out_of_memory_is_never_chosen_and_all_out_of_memory_is_an_e
     data = awkward_text_dataset()
     stock, ours = make_trainers(tmp_path, "llama", data, tokenizer, eval_dataset=data, max_steps=2)
     assert_same_training(train_and_evaluate(stock), train_and_evaluate(ours))
-    assert ours.sharing.tuning.out_of_memory == {STOCK} and ours.sharing.tuning.fits[STOCK].seconds(1.0) == math.inf
-    assert "stock rows out of memory" in ours.sharing.tuning.summary
-    assert "It runs as varlen (stock's rows ran out of memory)" in ours.sharing.tuning.summary
+    assert (
+        ours.sharing_session.tuning.out_of_memory == {STOCK}
+        and ours.sharing_session.tuning.fits[STOCK].seconds(1.0) == math.inf
+    )
+    assert "stock rows out of memory" in ours.sharing_session.tuning.summary
+    assert "It runs as varlen (stock's rows ran out of memory)" in ours.sharing_session.tuning.summary
     clock({name: torch.OutOfMemoryError("out of memory") for name in ("sdpa", "varlen", STOCK)})
     _, ours = make_trainers(tmp_path / "all", "llama", data, tokenizer, max_steps=1)
     with pytest.raises(torch.OutOfMemoryError, match="every candidate .* ran out of memory on the first micro-batch"):

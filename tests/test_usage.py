@@ -88,7 +88,7 @@ def test_our_trainer_with_a_stock_config_warns(kind, tmp_path, tokenizer):
         UserWarning, match=rf"trains exactly as stock TRL.*{name}Config\(..., prefix_sharing=True\)"
     ) as w:
         trainer = build(kind, our_trainer, stock_config, tmp_path, tokenizer)
-    assert not trainer.prefix_sharing and trainer.sharing is None
+    assert not trainer.prefix_sharing and trainer.sharing_session is None
     ours = [r for r in w if "prefix_sharing" in str(r.message)]
     assert len(ours) == 1 and ours[0].filename == __file__  # pointing at the user's line (here: `build`)
     with warnings.catch_warnings():  # this package's config: no warning, on or off

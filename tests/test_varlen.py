@@ -219,7 +219,7 @@ def assert_fewer_positions_than_sdpa(trainer, examples, batch) -> None:
     from trl_prefix_sharing.attention import BACKENDS
 
     rows = trainer.data_collator.rows
-    trainer.data_collator.rows = BACKENDS["sdpa"].rows(trainer.sharing.pad_to_multiple_of)
+    trainer.data_collator.rows = BACKENDS["sdpa"].rows(trainer.sharing_session.pad_to_multiple_of)
     try:
         dense = trainer.data_collator(examples)["prefix_sharing"].input_ids
     finally:
@@ -242,7 +242,7 @@ DPO_DATA = {
 def test_dpo_step_matches_stock_without_padding(tmp_path, tokenizer, family, data):
     dataset, overrides = DPO_DATA[data]()
     stock, shared = make_trainers(tmp_path, family, dataset, tokenizer, ours=VARLEN, **overrides)
-    assert shared.sharing.backend.name == "varlen"
+    assert shared.sharing_session.backend.name == "varlen"
     stock_result, result = compare_step(stock, shared)
     layout = result["batch"]["prefix_sharing"]
     assert layout.input_ids.shape[0] == 1 and (layout.document_ids >= 0).all() and layout.segments
@@ -372,7 +372,7 @@ def test_grpo_crafted_batch_log_probs_and_gradients_match_stock(tmp_path, tokeni
         for ours in (False, VARLEN)
     )
     expected, got = (logps_and_grads(t, input_ids, attention_mask, keep) for t in (stock, shared))
-    assert shared.sharing.backend.name == "varlen" and expected[2]
+    assert shared.sharing_session.backend.name == "varlen" and expected[2]
     torch.testing.assert_close(got[0], expected[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[1], expected[1], atol=1e-5, rtol=1e-5)
     for name, grad in expected[2].items():
@@ -408,11 +408,11 @@ def test_online_dpo_scores_its_padding_through_a_second_call(tmp_path, tokenizer
         forward_and_grads(t, input_ids, attention_mask, keep) for t in (stock, shared)
     )
     padding = attention_mask[:, -keep:] == 0
-    assert padding.any() and expected_grads and shared.sharing.backend.name == "varlen"
+    assert padding.any() and expected_grads and shared.sharing_session.backend.name == "varlen"
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)  # padding columns included
     for name, grad in expected_grads.items():
         torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
-    layout = next(iter(shared.sharing._layouts._entries.values()))[1]
+    layout = next(iter(shared.sharing_session._layouts._entries.values()))[1]
     assert len(layout.segments) == 2 and not layout.segments[1].causal
 
 
@@ -454,7 +454,7 @@ def test_sft_step_matches_stock(tmp_path, tokenizer, data):
 
     _, shared, _, got = compare(tmp_path, tokenizer, DATASETS[data](), family="qwen3", ours={**ALWAYS, **VARLEN})
     layout = got[3]["prefix_sharing"]
-    assert layout.input_ids.shape[0] == 1 and layout.segments and shared.sharing.backend.name == "varlen"
+    assert layout.input_ids.shape[0] == 1 and layout.segments and shared.sharing_session.backend.name == "varlen"
 
 
 # ----------------------------------------------------------------------------------------------- precision, checks

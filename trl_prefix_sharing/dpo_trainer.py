@@ -7,8 +7,8 @@ from datasets import Dataset
 from transformers import ProcessorMixin
 from transformers.utils import logging
 
+from .collated import PreferenceSharingMixin
 from .config import DPOConfig
-from .preference import PreferenceSharingMixin
 from .trainers import TRAINERS
 from .validation import check_dataset_columns
 
@@ -97,13 +97,16 @@ class DPOTrainer(PreferenceSharingMixin, trl.DPOTrainer):
         self._setup_prefix_sharing()  # TRL runs this from inside `__init__`
         if not self.packing:
             return super()._precompute_ref_logps(dataset, name, batch_size)
-        packed_collator, self.data_collator = self.data_collator, self.data_collator.unpacked(self.sharing.rows)
+        packed_collator, self.data_collator = (
+            self.data_collator,
+            self.data_collator.unpacked(self.sharing_session.rows),
+        )
         try:  # fixed-size batches (TRL's DataLoader), so the session's unpacked rows
             return super()._precompute_ref_logps(dataset, name, batch_size)
         finally:
             self.data_collator = packed_collator
 
     def compute_ref_log_probs(self, model, inputs):
-        if self.sharing is not None:
+        if self.sharing_session is not None:
             self._prepare_layout(inputs)
         return super().compute_ref_log_probs(model, inputs)

@@ -105,7 +105,7 @@ class _SharedRowsModel:
         self.trainer._startup_check(
             input_ids, attention_mask, prompt_lengths=lambda: attention_mask[:, :prompt_length].sum(1)
         )
-        layout = self.trainer.sharing.generated_layout(
+        layout = self.trainer.sharing_session.generated_layout(
             input_ids, attention_mask, prompt_length, source=self.source if whole else None
         )
         if torch.is_grad_enabled():
@@ -180,6 +180,6 @@ class GroupSharingTrainerMixin(PrefixSharingMixin):
         # the generation it may run is left out of the training step `"auto"` times (`tuning.TrainingSteps.excluding`)
         with (
             replaced_function(self._trl_module, "shuffle_sequence_dict", shuffle_keeping_groups),
-            self.sharing.tuning.steps.excluding(),
+            self.sharing_session.tuning.steps.excluding(),
         ):
             return super()._prepare_inputs(generation_batch)

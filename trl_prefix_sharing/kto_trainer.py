@@ -113,7 +113,7 @@ class _SharedKTOBatch:
     and the results a merged pass leaves for the other call of the pair (keyed by the model that ran it)."""
 
     def __init__(self, sharing, batch: dict, stash_kl: bool):
-        self.sharing = sharing
+        self.sharing_session = sharing
         self.main = _Rows(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
         self.kl = None
         if "KL_input_ids" in batch:
@@ -131,7 +131,7 @@ class _SharedKTOBatch:
                 examples = examples.to(rows.input_ids.device)
             else:
                 rows, examples = getattr(self, name), None
-            self._layouts[name] = self.sharing.layout(
+            self._layouts[name] = self.sharing_session.layout(
                 rows.input_ids,
                 rows.attention_mask,
                 prompt_lengths=prompt_lengths_from_completion_mask(rows.attention_mask, rows.completion_mask),
@@ -143,7 +143,7 @@ class _SharedKTOBatch:
         """Main rows then KL rows, right-padded to one width: row i and row B + i are example i."""
         if "merged_rows" not in self._layouts:
             width = max(self.main.input_ids.shape[1], self.kl.input_ids.shape[1])
-            main, kl = (rows.padded(width, self.sharing.pad_token_id) for rows in (self.main, self.kl))
+            main, kl = (rows.padded(width, self.sharing_session.pad_token_id) for rows in (self.main, self.kl))
             self._layouts["merged_rows"] = _Rows(
                 *(
                     torch.cat(pair)
@@ -265,7 +265,7 @@ class KTOTrainer(PrefixSharingMixin, trl.KTOTrainer):
     @contextlib.contextmanager
     def _routing(self, inputs, stash_kl: bool = False):
         """Within the block, the models' fused calls on this batch's rows run on its layouts."""
-        if self.sharing is None:
+        if self.sharing_session is None:
             yield
             return
         if self._is_vision_dataset:
@@ -276,13 +276,13 @@ class KTOTrainer(PrefixSharingMixin, trl.KTOTrainer):
             attention_mask,
             prompt_lengths=lambda: prompt_lengths_from_completion_mask(attention_mask, inputs["completion_mask"]),
         )
-        self.sharing.attach()  # the routed calls reach the models through the shared forward
-        self._shared_batch = shared = _SharedKTOBatch(self.sharing, inputs, stash_kl)
-        self.sharing.router = self._route
+        self.sharing_session.attach()  # the routed calls reach the models through the shared forward
+        self._shared_batch = shared = _SharedKTOBatch(self.sharing_session, inputs, stash_kl)
+        self.sharing_session.router = self._route
         try:
             yield
         finally:
-            self.sharing.router = None
+            self.sharing_session.router = None
             self._shared_batch = None
         if shared.pending:  # a deferred KL pass that no main call ran: never train on its placeholder
             raise RuntimeError(

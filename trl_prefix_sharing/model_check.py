@@ -37,7 +37,7 @@ __all__ = [
     "SPREAD_FACTOR",
     "ModelCheckResult",
     "StartupCheck",
-    "check_rows",
+    "examples_to_check",
     "distributed",
     "run_model_check",
 ]
@@ -88,7 +88,7 @@ class ModelCheckResult:
         )
 
 
-def check_rows(
+def examples_to_check(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     prompt_lengths: torch.Tensor | None = None,
@@ -246,7 +246,7 @@ def run_model_check(
     """Run the start-up check on `model` (the unwrapped model, its shared forward installed).
 
     Args:
-        examples: from `check_rows`.
+        examples: from `examples_to_check`.
         layout_fn: `layout_fn(input_ids, attention_mask, prompt_lengths, examples)`: the shared layout, with its
             mask, that the trainer builds for such rows.
         kind: `"fused"` (a causal LM with TRL's fused log-prob head) or `"classifier"` (a reward model).
@@ -342,7 +342,7 @@ class StartupCheck:
         from .forward import _is_sequence_classifier
 
         pending, self.pending = self.pending, []
-        rows = check_rows(input_ids, attention_mask, prompt_lengths=prompt_lengths, examples=examples)
+        rows = examples_to_check(input_ids, attention_mask, prompt_lengths=prompt_lengths, examples=examples)
 
         def layout_fn(ids, mask, lengths, example_ids):
             return session.layout(ids, mask, prompt_lengths=lengths, examples=example_ids)

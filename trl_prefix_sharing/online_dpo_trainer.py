@@ -77,7 +77,7 @@ class OnlineDPOTrainer(PrefixSharingMixin, _TRLOnlineDPOTrainer):
         # one layout for the policy and reference passes, which TRL runs on these same tensors
         source = (prompt_ids, prompt_mask, completion_ids, completion_mask)
         self._startup_check(input_ids, attention_mask, prompt_lengths=lambda: prompt_mask.sum(dim=1))
-        layout = self.sharing.generated_layout(
+        layout = self.sharing_session.generated_layout(
             input_ids, attention_mask, prompt_length, score_padding=True, source=source
         )
         if self.model.training and torch.is_grad_enabled():  # the policy's gradient pass

@@ -6,8 +6,8 @@ import torch
 import trl
 from trl.data_utils import get_dataset_column_names
 
+from .collated import PreferenceSharingMixin
 from .config import RewardConfig
-from .preference import PreferenceSharingMixin
 from .ranked import RankedCollator, is_ranked_dataset, ranked_loss, ranked_pairs, tokenize_ranked
 from .trainers import TRAINERS
 from .validation import check_dataset_columns

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 import trl
 
+from .collated import CollatedSharingMixin
 from .config import SFTConfig
 from .packing import grouped_by_prompt
-from .preference import CollatedSharingMixin
 from .trie import prompt_lengths_from_completion_mask
 
 

@@ -58,12 +58,16 @@ def _measure(trainer, input_ids, attention_mask, prompt_lengths, examples) -> No
     (`prompt_lengths`, `examples`: tensors, or functions that make them)."""
     prompt_lengths, examples = (value() if callable(value) else value for value in (prompt_lengths, examples))
     wrapped = getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False)
-    summary = measure_session(trainer.sharing, input_ids, attention_mask, prompt_lengths, examples, not wrapped)
+    summary = measure_session(
+        trainer.sharing_session, input_ids, attention_mask, prompt_lengths, examples, not wrapped
+    )
     if trainer.args.should_log:
         logger.warning(f"Prefix sharing ('auto' on {input_ids.device.type}): {summary}.")
         # and, once the close candidates trained their micro-batches, what those steps measured (`Tuning.tick`)
         device = input_ids.device.type
-        trainer.sharing.tuning.report = lambda text: logger.warning(f"Prefix sharing ('auto' on {device}): {text}.")
+        trainer.sharing_session.tuning.report = lambda text: logger.warning(
+            f"Prefix sharing ('auto' on {device}): {text}."
+        )
 
 
 class _ForwardInPlace(TrainerCallback):
@@ -75,8 +79,8 @@ class _ForwardInPlace(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         trainer = self._trainer()
-        if trainer is not None and trainer.sharing is not None:
-            check_forward_in_place(trainer.sharing.models, getattr(args, "use_liger_kernel", False))
+        if trainer is not None and trainer.sharing_session is not None:
+            check_forward_in_place(trainer.sharing_session.models, getattr(args, "use_liger_kernel", False))
 
 
 class _SharedPositionsState(TrainerCallback, ExportableState):
@@ -100,7 +104,7 @@ class _SharedPositionsState(TrainerCallback, ExportableState):
 
 class _PatchedWhileRunning:
     """The models patched for the length of `train()`, `evaluate()` and `predict()` (nested calls: the outermost),
-    and left as TRL leaves them afterwards. Needs `self.sharing` (None: nothing to patch) and
+    and left as TRL leaves them afterwards. Needs `self.sharing_session` (None: nothing to patch) and
     `self._sharing_scope_depth` (0 in the trainer's `__init__`)."""
 
     @contextlib.contextmanager
@@ -109,13 +113,13 @@ class _PatchedWhileRunning:
         depth = self._sharing_scope_depth
         self._sharing_scope_depth = depth + 1
         try:
-            if self.sharing is not None:
-                self.sharing.attach()
+            if self.sharing_session is not None:
+                self.sharing_session.attach()
             yield
         finally:
             self._sharing_scope_depth = depth
-            if depth == 0 and self.sharing is not None:
-                self.sharing.detach()
+            if depth == 0 and self.sharing_session is not None:
+                self.sharing_session.detach()
 
     def train(self, *args, **kwargs):
         with self._prefix_sharing_scope():
@@ -160,7 +164,7 @@ class _PositionsLogged:
                 )
 
     def log(self, logs, start_time=None):
-        if self.sharing is not None and self._shared_positions is not None and self.model.training:
+        if self.sharing_session is not None and self._shared_positions is not None and self.model.training:
             logs = {**logs, "num_shared_tokens": int(self._shared_positions)}
         return super().log(logs, start_time)
 
@@ -206,9 +210,9 @@ class _Guarded:
 
 class PrefixSharingMixin(_Guarded, _ArgumentsChecked, _PositionsLogged, _PatchedWhileRunning):
     """Placed before TRL's trainer class (and after `PackingMixin`). A trainer calls `_init_prefix_sharing(...)` before
-    TRL's `__init__` and `_finish_prefix_sharing_init()` after it; its session is then `self.sharing` and its start-up
-    check `self.model_check` (both None while the trainer runs as stock TRL), and it calls `_startup_check(...)` on the
-    stock rows of a batch before it lays them out."""
+    TRL's `__init__` and `_finish_prefix_sharing_init()` after it; its session is then `self.sharing_session` and its
+    start-up check `self.model_check` (both None while the trainer runs as stock TRL), and it calls
+    `_startup_check(...)` on the stock rows of a batch before it lays them out."""
 
     #: the config class with the prefix-sharing fields (set by each trainer)
     _config_class: type
@@ -225,7 +229,7 @@ class PrefixSharingMixin(_Guarded, _ArgumentsChecked, _PositionsLogged, _Patched
     def _init_prefix_sharing(self, model, args, processing_class, peft_config=None, datasets=None) -> None:
         """Before TRL's `__init__`: read the options and check what can be checked (the config class, the model, the
         processor and the `datasets`, {"train": ..., "eval": ...})."""
-        self.sharing = None
+        self.sharing_session = None
         self.model_check = None
         self._sharing_scope_depth = 0
         self._shared_positions = None
@@ -277,7 +281,7 @@ class PrefixSharingMixin(_Guarded, _ArgumentsChecked, _PositionsLogged, _Patched
     def _setup_prefix_sharing(self) -> None:
         """After TRL's `__init__` (or from inside it, on first use): the session, the start-up check, and for
         preference trainers the collator. Idempotent."""
-        if self.sharing is not None or not self._uses_layout:
+        if self.sharing_session is not None or not self._uses_layout:
             return
         models = self._layout_models()
         check_adapter(models[0])
@@ -297,7 +301,7 @@ class PrefixSharingMixin(_Guarded, _ArgumentsChecked, _PositionsLogged, _Patched
         backend = choose_backend(models, requested, self.accelerator.device, dtype)
         join = getattr(self.args, "prefix_sharing_join", "prompts")
         alternatives, stock_rows = _measured_candidates(self, models, requested, join, dtype)
-        self.sharing = PrefixSharingSession(
+        self.sharing_session = PrefixSharingSession(
             models,
             self.processing_class,
             backend,
@@ -320,16 +324,16 @@ class PrefixSharingMixin(_Guarded, _ArgumentsChecked, _PositionsLogged, _Patched
         function that makes it, called only while the check is pending (the steps after it pay nothing for them)."""
         if self.model_check is not None and self.model_check.pending:
             prompt_lengths, examples = (value() if callable(value) else value for value in (prompt_lengths, examples))
-            self.model_check.run(self.sharing, input_ids, attention_mask, prompt_lengths, examples)
-        if self.sharing is not None and self.sharing.tuning.pending:
+            self.model_check.run(self.sharing_session, input_ids, attention_mask, prompt_lengths, examples)
+        if self.sharing_session is not None and self.sharing_session.tuning.pending:
             _measure(self, input_ids, attention_mask, prompt_lengths, examples)
 
     def _finish_prefix_sharing_init(self) -> None:
         """The end of the trainer's `__init__`: the session set up, the models left as TRL leaves them (the
         patches are attached by `train()`, `evaluate()` and `predict()` for their length)."""
         self._setup_prefix_sharing()
-        if self.sharing is not None:
-            self.sharing.detach()
+        if self.sharing_session is not None:
+            self.sharing_session.detach()
         self._check_rows_left()
 
     def _setup_collator(self) -> None:
@@ -339,9 +343,9 @@ class PrefixSharingMixin(_Guarded, _ArgumentsChecked, _PositionsLogged, _Patched
     def remove_prefix_sharing(self) -> None:
         """Undo the model patches (and the collator wrap): the trainer then trains as stock TRL. The config is left as
         it was given."""
-        if self.sharing is not None:
-            self.sharing.detach()
-            self.sharing = None
+        if self.sharing_session is not None:
+            self.sharing_session.detach()
+            self.sharing_session = None
         if isinstance(getattr(self, "data_collator", None), PrefixSharingCollator):
             self.data_collator = self.data_collator.base_collator
         self._prefix_sharing = False

@@ -1039,7 +1039,7 @@ def _count_examples(
     the positions of example e's document, `prefix[e]` those more than one of its rows read (its shared prefix),
     `lengths[r]` the tokens of stock row r, `groups[e]` the stock rows of example e, `prompts[r]` the prompt tokens
     of row r (None: not known apart)."""
-    from ..stats import causal_pairs
+    from ..savings import causal_pairs
 
     for group, doc_len, p in zip(groups, per_doc, prefix, strict=True):
         rows = [lengths[r] for r in group]
@@ -1600,7 +1600,7 @@ def _completion_source(args) -> str:
 
 
 def group_report(dataset, tokenizer, args) -> None:
-    from ..stats import group_stats
+    from ..savings import group_stats
 
     online = args.trainer == "online_dpo"
     lengths, conversational = prompt_lengths(dataset, tokenizer, online=online)

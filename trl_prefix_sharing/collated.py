@@ -14,8 +14,8 @@ from transformers.utils import logging
 from .collator import PrefixSharingCollator
 from .examples import example_ids, prompt_lengths
 from .packing import PackingMixin
+from .savings import sharing_stats
 from .sharing import PrefixSharingMixin
-from .stats import sharing_stats
 
 
 __all__ = ["CollatedSharingMixin", "PreferenceSharingMixin"]
@@ -38,12 +38,14 @@ class CollatedSharingMixin(PrefixSharingMixin):
             return
         self.data_collator = PrefixSharingCollator(
             self.data_collator,
-            self.sharing.pad_token_id,
-            rows=self.sharing.rows,
+            self.sharing_session.pad_token_id,
+            rows=self.sharing_session.rows,
             share_prefix=self.prefix_sharing,
-            join=self.sharing.join,
-            cost=self.sharing.cost,
-            tuning=self.sharing.tuning if self.sharing.tuning.measures else None,  # packing: rows set below
+            join=self.sharing_session.join,
+            cost=self.sharing_session.cost,
+            tuning=self.sharing_session.tuning
+            if self.sharing_session.tuning.measures
+            else None,  # packing: rows set below
             examples_of=self._examples_of,
             prompts_of=self._prompts_of,
         )
@@ -57,12 +59,12 @@ class CollatedSharingMixin(PrefixSharingMixin):
             prompt_lengths=lambda: self._prompts_of(inputs),
             examples=lambda: self._examples_of(inputs),
         )
-        return self.sharing.prepare(inputs)
+        return self.sharing_session.prepare(inputs)
 
     def _share_batch(self, inputs) -> None:
         """A step's first act, before TRL's loss (or packing's, which may route a batch past TRL's `compute_loss`):
         the batch's layout prepared, and the positions of a training forward counted."""
-        if self.sharing is not None:
+        if self.sharing_session is not None:
             layout = self._prepare_layout(inputs)
             if self.model.training:  # the dataset's line was logged at `train()`
                 self._count_positions(layout.num_positions)
@@ -78,7 +80,7 @@ class PreferenceSharingMixin(PackingMixin, CollatedSharingMixin):
             return
         super()._setup_collator()
         if self.packing:
-            self.data_collator.rows = self._packed_rows(self.sharing.backend)
+            self.data_collator.rows = self._packed_rows(self.sharing_session.backend)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         self._share_batch(inputs)
