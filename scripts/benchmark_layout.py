@@ -8,7 +8,7 @@ Two micro-batches, shaped like real training:
 
 - GRPO: 32 generated rows, 4 prompts x 8 generations, prompts of ~1000 tokens (left-padded), completions of ~500
   (right-padded), ~45k real tokens. Timed: the whole layout of the rows TRL hands the model (grouping included),
-  `trl_prefix_sharing.layout.shared_group_layout`, and the same with its attention mask (dense, as SDPA takes it).
+  `build_layout` of `StockRows.generated`, and the same with its attention mask (dense, as SDPA takes it).
 - DPO: 8 pairs, prompts of ~1500 tokens, completions of ~300, right-padded as TRL's collator builds them. Timed: the
   layout the collator adds, `build_layout` with each row's prompt length.
 
@@ -32,7 +32,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from trl_prefix_sharing.layout import build_layout, shared_group_layout  # noqa: E402
+from trl_prefix_sharing.layout import build_layout
+from trl_prefix_sharing.trie import StockRows
 
 
 # ----------------------------------------------------------------------------------------------- previous builder
@@ -169,7 +170,7 @@ def run(device: torch.device) -> dict:
     check = device.type == "cpu"  # the trainer's default: checks on the CPU only (on a GPU they are host syncs)
 
     def grpo_trie():
-        return shared_group_layout(g_ids_d, g_mask_d, g_prompt, 0, check=check)
+        return build_layout(StockRows.generated(g_ids_d, g_mask_d, g_prompt, check=check), pad_token_id=0)
 
     def grpo_trie_mask():
         layout = grpo_trie()
@@ -177,7 +178,7 @@ def run(device: torch.device) -> dict:
 
     def dpo_trie():
         prompts = prompt_lengths_from_completion_mask(d_mask_d, d_completion_d)
-        return build_layout(d_ids_d, d_mask_d, prompt_lengths=prompts, check=check)
+        return build_layout(StockRows(d_ids_d, d_mask_d, prompt_lengths=prompts, check=check))
 
     results["grpo_trie_ms"] = median_ms(grpo_trie, device)
     results["grpo_trie_with_mask_ms"] = median_ms(grpo_trie_mask, device)
@@ -223,10 +224,10 @@ def main():
     lines += [
         "",
         "*Previous builder*: one document per pair or group, laid out token by token in Python (kept in the script "
-        "for this comparison). *Trie*: `shared_group_layout` (GRPO, grouping included) and `build_layout` with "
-        "each row's prompt length (DPO), tensor ops on the batch's device, checks included on the CPU. *Trie + dense "
-        "mask*: also the dense boolean mask SDPA takes, `[rows, 1, width, width]`, which costs far more than the "
-        "layout on long rows; under FlexAttention (CUDA) the mask is a BlockMask built by the compiled "
+        "for this comparison). *Trie*: `build_layout` of `StockRows.generated` (GRPO, grouping included) and "
+        "`build_layout` with each row's prompt length (DPO), tensor ops on the batch's device, checks included on the "
+        "CPU. *Trie + dense mask*: also the dense boolean mask SDPA takes, `[rows, 1, width, width]`, which costs far "
+        "more than the layout on long rows; under FlexAttention (CUDA) the mask is a BlockMask built by the compiled "
         "`create_block_mask` instead. Medians of 7 runs after a warm-up.",
     ]
     text = "\n".join(lines) + "\n"

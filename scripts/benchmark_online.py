@@ -233,7 +233,8 @@ def positions(batches, trainer, args):
     real tokens, the shared rows (rows x width, as the sharing trainer lays them out) and their real tokens."""
     import torch
 
-    from trl_prefix_sharing.layout import shared_group_layout
+    from trl_prefix_sharing.layout import build_layout
+    from trl_prefix_sharing.trie import StockRows
 
     online_dpo = args.trainer == "online_dpo"
     counts = dict.fromkeys(
@@ -256,13 +257,10 @@ def positions(batches, trainer, args):
         mask = torch.cat([prompt_mask, b["completion_mask"]], dim=1)
         # online DPO: stock scores each row from its first token to its end (trailing padding too)
         real = mask.cumsum(dim=1) > 0 if online_dpo else mask.bool()
-        layout = shared_group_layout(
-            ids,
-            mask,
-            prompt_ids.shape[1],
-            0,
+        layout = build_layout(
+            StockRows.generated(ids, mask, prompt_ids.shape[1], score_padding=online_dpo),
+            pad_token_id=0,
             rows=trainer.sharing_session.rows,
-            score_padding=online_dpo,
         )
         counts["stock_padded_positions"] += ids.numel()
         counts["stock_positions"] += int(real.sum())

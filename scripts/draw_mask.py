@@ -22,6 +22,7 @@ import torch
 
 from trl_prefix_sharing.layout import RowPolicy, build_layout
 from trl_prefix_sharing.mask import block_mask, dense_mask, prefix_sharing_mask
+from trl_prefix_sharing.trie import StockRows
 
 
 PROMPT = "prompt"
@@ -53,10 +54,8 @@ def lay_out(documents, row_length=None):
     ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
     attention_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
     layout = build_layout(
-        ids,
-        attention_mask,
-        prompt_lengths=torch.tensor(prompt_lengths),
-        rows=RowPolicy(pack=True, one_row=True, length=row_length),  # every document in one row (packing)
+        StockRows(ids, attention_mask, prompt_lengths=torch.tensor(prompt_lengths)),
+        rows=RowPolicy(pack=True, one_row=True, length=row_length),
     )
     size = layout.input_ids.shape[1]
     readers = [set() for _ in range(size)]  # the stock rows that read each shared position, and at which column

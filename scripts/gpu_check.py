@@ -475,28 +475,23 @@ class HostClock:
 
     @contextlib.contextmanager
     def patched(self):
-        """Wrap every attention backend's `inputs` (the mask or segments of a layout) and the package's group layout
-        (GRPO) in every module that imported it by name."""
+        """Wrap every attention backend's `inputs` (the mask or segments of a layout) and the layouts the session
+        builds in the training step (GRPO's groups)."""
         # the package imports its trainers lazily: load them, so that every module that holds these names has them
+        import trl_prefix_sharing.session as session_module
         from trl_prefix_sharing import DPOTrainer, GRPOTrainer, OnlineDPOTrainer, RewardTrainer  # noqa: F401
         from trl_prefix_sharing.attention import BACKENDS
 
-        targets = {"shared_group_layout": "layout"}
         saved, found = [], set()
         for backend in BACKENDS.values():  # each concrete class, so that a `super().inputs` is not counted twice
             cls = type(backend)
             saved.append((cls, "inputs", cls.__dict__.get("inputs")))
             cls.inputs = self.wrap(cls.inputs, "mask")
             found.add("AttentionBackend.inputs")
-        for name, module in list(sys.modules.items()):
-            if module is None or not (name == "trl_prefix_sharing" or name.startswith("trl_prefix_sharing.")):
-                continue
-            for attribute, kind in targets.items():
-                function = getattr(module, attribute, None)
-                if callable(function) and not getattr(function, "gpu_check_timed", False):
-                    saved.append((module, attribute, function))
-                    setattr(module, attribute, self.wrap(function, kind))
-                    found.add(attribute)
+        # the layouts built in the training step (GRPO's groups), not the collator's (timed with the data)
+        saved.append((session_module, "build_layout", session_module.build_layout))
+        session_module.build_layout = self.wrap(session_module.build_layout, "layout")
+        found.add("session.build_layout")
         self.found = found
         try:
             yield self

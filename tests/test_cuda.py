@@ -683,17 +683,20 @@ def test_varlen_kernel_equals_the_reference_forward_and_backward(case):
     from test_layout import _stock
 
     from trl_prefix_sharing import varlen
-    from trl_prefix_sharing.layout import RowPolicy, build_layout, shared_group_layout
+    from trl_prefix_sharing.layout import RowPolicy, build_layout
+    from trl_prefix_sharing.trie import StockRows
 
     rng = random.Random(0)
     rows = [[rng.randrange(1, 4) for _ in range(rng.randrange(20, 90))] for _ in range(6)]
     rows += [row[: rng.randrange(1, len(row))] + [7, 8, 9] for row in rows[:4]]
     if case == "mha-scored-padding":
         ids, attn, _ = _stock(rows)
-        layout = shared_group_layout(ids, attn, 2, 0, rows=RowPolicy(stream=True), score_padding=True)
+        layout = build_layout(
+            StockRows.generated(ids, attn, 2, score_padding=True), pad_token_id=0, rows=RowPolicy(stream=True)
+        )
         assert len(layout.segments) == 2
     else:
-        layout = build_layout(*_stock(rows)[:2], rows=RowPolicy(stream=True))
+        layout = build_layout(StockRows(*_stock(rows)[:2]), rows=RowPolicy(stream=True))
     layout = layout.to("cuda")
     window = 3 if case == "gqa-window" else None
     heads = (4, 4) if case.startswith("mha") else (8, 2)

@@ -85,7 +85,7 @@ def test_dry_run_gpu_json_has_cpu_json_schema_plus_versions_and_host_times(dry_r
     assert set(cpu) | {"torch", "cuda", "transformers", "trl", "triton"} <= set(data)
     cpu_variant_keys = set(cpu["results"]["dpo"]["Capybara"]["stock"])
     # both trainer hooks found: a rename in the package would silently drop the mask and GRPO layout times
-    assert data["timed_functions"] == ["AttentionBackend.inputs", "shared_group_layout"]
+    assert data["timed_functions"] == ["AttentionBackend.inputs", "session.build_layout"]
     assert set(data["results"]) == set(MODELS) and not data["not_run"]
     for model in MODELS:
         for kind in ("dpo", "reward"):

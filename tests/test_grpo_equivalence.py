@@ -19,8 +19,9 @@ from group_equivalence import (
 import trl_prefix_sharing.attention as attention_module
 from trl_prefix_sharing import GRPOConfig, GRPOTrainer
 from trl_prefix_sharing.group_sharing import shuffle_keeping_groups
-from trl_prefix_sharing.layout import shared_group_layout
+from trl_prefix_sharing.layout import build_layout
 from trl_prefix_sharing.testing import FAMILIES
+from trl_prefix_sharing.trie import StockRows
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,9 @@ def test_crafted_batch_log_probs_and_gradients_match_stock(tmp_path, tokenizer, 
     # identical completions of one prompt: bitwise identical log-probs (they read the same shared positions)
     assert torch.equal(got[0][0], got[0][3])
     # the shared rows are shorter: each prompt once per chunk of 5 rows
-    layout = shared_group_layout(input_ids[:5], attention_mask[:5], input_ids.shape[1] - keep, 0)
+    layout = build_layout(
+        StockRows.generated(input_ids[:5], attention_mask[:5], input_ids.shape[1] - keep), pad_token_id=0
+    )
     assert (layout.document_ids >= 0).sum() < attention_mask[:5].sum()
 
 
@@ -357,10 +360,8 @@ def test_one_layout_per_set_of_rows(tmp_path, tokenizer, model_dirs, monkeypatch
     import trl_prefix_sharing.session as sharing_module
 
     builds, calls = [], []
-    real_layout, real_call = sharing_module.shared_group_layout, group_module._SharedRowsModel.__call__
-    monkeypatch.setattr(
-        sharing_module, "shared_group_layout", lambda *a, **k: builds.append(1) or real_layout(*a, **k)
-    )
+    real_layout, real_call = sharing_module.build_layout, group_module._SharedRowsModel.__call__
+    monkeypatch.setattr(sharing_module, "build_layout", lambda *a, **k: builds.append(1) or real_layout(*a, **k))
     monkeypatch.setattr(
         group_module._SharedRowsModel, "__call__", lambda self, **k: calls.append(1) or real_call(self, **k)
     )

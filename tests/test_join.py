@@ -27,7 +27,7 @@ from trl_prefix_sharing import DPOConfig
 from trl_prefix_sharing.cost import StepCost
 from trl_prefix_sharing.layout import RowPolicy, build_layout, gather_to_stock
 from trl_prefix_sharing.testing import make_model
-from trl_prefix_sharing.trie import JOINS, plan_layout, plan_layouts
+from trl_prefix_sharing.trie import JOINS, StockRows, plan_layout, plan_layouts
 
 
 SYSTEM = " ".join(f"w{i}" for i in range(100, 124))  # 24 words every example starts with
@@ -79,11 +79,11 @@ def stock_rows(prefix=24, tails=(3, 5, 2, 4), seed=0):
 def test_always_joins_a_common_start_that_prompts_does_not():
     ids, mask = stock_rows()
     prompts = torch.tensor([26, 28, 25, 27])  # each row's prompt holds more than the common start
-    by_prompts, always = plan_layouts(ids, mask, joins=("prompts", "always"), prompt_lengths=prompts)
+    by_prompts, always = plan_layouts(StockRows(ids, mask, prompt_lengths=prompts), joins=("prompts", "always"))
     assert int(by_prompts.num_documents) == 4 and int(always.num_documents) == 1
     assert int(always.visible_pairs) < int(by_prompts.visible_pairs)
     for join, documents in (("prompts", 4), ("always", 1)):
-        layout = build_layout(ids, mask, prompt_lengths=prompts, join=join)
+        layout = build_layout(StockRows(ids, mask, prompt_lengths=prompts), join=join)
         assert layout.join == join and layout.input_ids.shape[0] == documents
         valid = layout.stock_index >= 0
         assert valid.sum() == mask.sum() > 0
@@ -91,15 +91,18 @@ def test_always_joins_a_common_start_that_prompts_does_not():
         assert torch.equal(gather_to_stock(layout.input_ids, layout.stock_index, valid)[valid], ids[mask.bool()])
         columns = torch.arange(ids.shape[1]).expand_as(ids)
         assert torch.equal(gather_to_stock(layout.position_ids, layout.stock_index, valid)[valid], columns[valid])
-    assert build_layout(ids, mask, prompt_lengths=prompts, join="always").num_positions == 24 + 3 + 5 + 2 + 4 + 3
+    assert (
+        build_layout(StockRows(ids, mask, prompt_lengths=prompts), join="always").num_positions
+        == 24 + 3 + 5 + 2 + 4 + 3
+    )
 
 
 def test_one_common_token_does_not_join():
     """Joining on one common token saves nothing (it is copied to start each branch): `"always"` needs two."""
     ids, mask = stock_rows(prefix=1)
-    assert int(plan_layout(ids, mask, prompt_lengths=torch.full((4,), 3), join="always").num_documents) == 4
+    assert int(plan_layout(StockRows(ids, mask, prompt_lengths=torch.full((4,), 3)), join="always").num_documents) == 4
     ids, mask = stock_rows(prefix=2)
-    assert int(plan_layout(ids, mask, prompt_lengths=torch.full((4,), 3), join="always").num_documents) == 1
+    assert int(plan_layout(StockRows(ids, mask, prompt_lengths=torch.full((4,), 3)), join="always").num_documents) == 1
 
 
 def test_auto_takes_the_cheaper_plan_for_the_kernel():
@@ -109,13 +112,15 @@ def test_auto_takes_the_cheaper_plan_for_the_kernel():
     attention_heavy = StepCost(position=1.0, pair=1000.0, dense=True)
     sparse = StepCost(position=1.0, pair=1000.0, dense=False)
     # dense, attention-heavy: one row of 4 + 4 x 41 tokens costs more than four rows of 44: apart
-    assert build_layout(ids, mask, prompt_lengths=prompts, join="auto", cost=attention_heavy).join == "prompts"
+    assert (
+        build_layout(StockRows(ids, mask, prompt_lengths=prompts), join="auto", cost=attention_heavy).join == "prompts"
+    )
     # dense, linear-heavy: the positions saved win
-    assert build_layout(ids, mask, prompt_lengths=prompts, join="auto", cost=linear_heavy).join == "always"
+    assert build_layout(StockRows(ids, mask, prompt_lengths=prompts), join="auto", cost=linear_heavy).join == "always"
     # block-sparse: joining only removes pairs
-    assert build_layout(ids, mask, prompt_lengths=prompts, join="auto", cost=sparse).join == "always"
+    assert build_layout(StockRows(ids, mask, prompt_lengths=prompts), join="auto", cost=sparse).join == "always"
     with pytest.raises(ValueError, match="cost model"):
-        build_layout(ids, mask, prompt_lengths=prompts, join="auto")
+        build_layout(StockRows(ids, mask, prompt_lengths=prompts), join="auto")
 
 
 def test_auto_keeps_to_plans_that_fit_a_fixed_packed_row():
@@ -123,9 +128,12 @@ def test_auto_keeps_to_plans_that_fit_a_fixed_packed_row():
     prompts = torch.full((3,), 25)
     rows = RowPolicy(pack=True, length=30)  # each row's document fits; all three joined (50 tokens) do not
     sparse = StepCost(position=1.0, pair=1.0, dense=False)
-    assert build_layout(ids, mask, prompt_lengths=prompts, rows=rows, join="auto", cost=sparse).join == "prompts"
+    assert (
+        build_layout(StockRows(ids, mask, prompt_lengths=prompts), rows=rows, join="auto", cost=sparse).join
+        == "prompts"
+    )
     with pytest.raises(ValueError, match="prefix_sharing_join='auto'"):
-        build_layout(ids, mask, prompt_lengths=prompts, rows=rows, join="always")
+        build_layout(StockRows(ids, mask, prompt_lengths=prompts), rows=rows, join="always")
 
 
 def test_the_cost_estimate_and_the_model_it_is_read_from(tokenizer):
@@ -151,7 +159,7 @@ def test_unknown_join_is_refused(tmp_path):
         DPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, prefix_sharing_join="sometimes")
     ids, mask = stock_rows()
     with pytest.raises(ValueError, match="one plan"):
-        plan_layout(ids, mask, join="auto")
+        plan_layout(StockRows(ids, mask), join="auto")
     assert JOINS == ("auto", "prompts", "always")
     assert DPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False).prefix_sharing_join == "auto"
 

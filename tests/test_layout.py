@@ -11,12 +11,11 @@ from trl_prefix_sharing.layout import (
     Layout,
     RowPolicy,
     build_layout,
-    shared_group_layout,
     shared_labels,
     shared_positions,
 )
 from trl_prefix_sharing.mask import causal, dense_mask, prefix_sharing_mask, same_document
-from trl_prefix_sharing.trie import prompt_lengths_from_completion_mask
+from trl_prefix_sharing.trie import StockRows, prompt_lengths_from_completion_mask
 
 
 def _stock(rows, prompt_lens=None, pad=0, left=False):
@@ -74,7 +73,7 @@ def check_layout(layout, ids, attn, score_padding=False):
 
 def test_docstring_example():
     ids, attn, cm = _stock([[10, 11, 12, 13, 20, 21], [10, 11, 12, 13, 30, 31, 32]], [4, 4])
-    layout = build_layout(ids, attn, prompt_lengths=prompt_lengths_from_completion_mask(attn, cm))
+    layout = build_layout(StockRows(ids, attn, prompt_lengths=prompt_lengths_from_completion_mask(attn, cm)))
     assert layout.input_ids.tolist() == [[10, 11, 12, 13, 20, 21, 13, 30, 31, 32]]
     assert layout.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 3, 4, 5, 6]]
     assert layout.subtree_end.tolist() == [[10, 10, 10, 6, 6, 6, 10, 10, 10, 10]]
@@ -85,14 +84,14 @@ def test_docstring_example():
 
 def test_completions_sharing_first_tokens_share_them():
     ids, attn, cm = _stock([[1, 2, 5, 6, 7], [1, 2, 5, 6, 9]], [2, 2])
-    layout = build_layout(ids, attn, prompt_lengths=prompt_lengths_from_completion_mask(attn, cm))
+    layout = build_layout(StockRows(ids, attn, prompt_lengths=prompt_lengths_from_completion_mask(attn, cm)))
     assert layout.input_ids.tolist() == [[1, 2, 5, 6, 7, 6, 9]]
     check_layout(layout, ids, attn)
 
 
 def test_identical_and_nested_rows():
     ids, attn, _ = _stock([[1, 2, 3], [1, 2, 3], [4, 5], [4, 5, 6]])
-    layout = build_layout(ids, attn)
+    layout = build_layout(StockRows(ids, attn))
     assert torch.equal(layout.stock_index[0], layout.stock_index[1])  # identical rows: stored once, read twice
     # a row that ends where another goes on reads that row's path: no copy
     assert (layout.document_ids >= 0).sum() == 3 + 3
@@ -101,7 +100,7 @@ def test_identical_and_nested_rows():
 
 def test_no_common_prefix_is_two_documents():
     ids, attn, _ = _stock([[1, 2, 3], [4, 5]])
-    layout = build_layout(ids, attn)
+    layout = build_layout(StockRows(ids, attn))
     assert layout.input_ids.tolist() == [[1, 2, 3], [4, 5, 0]]
     check_layout(layout, ids, attn)
 
@@ -110,7 +109,7 @@ def test_prompt_token_and_completion_token_share_a_position():
     # multi-turn: turn 1's chosen answer [3, 4] is a completion in row 0 and part of the prompt in row 1
     rows = [[1, 2, 3, 4], [1, 2, 7, 8], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 9]]
     ids, attn, cm = _stock(rows, [2, 2, 5, 5])
-    layout = build_layout(ids, attn, prompt_lengths=prompt_lengths_from_completion_mask(attn, cm))
+    layout = build_layout(StockRows(ids, attn, prompt_lengths=prompt_lengths_from_completion_mask(attn, cm)))
     assert layout.input_ids.shape == (1, 4 + 3 + 2 + 2)  # one document: [1 2 3 4 5 6 | 5 9 | 2 7 8] and a copy
     assert torch.equal(layout.stock_index[0, :4], layout.stock_index[2, :4])
     check_layout(layout, ids, attn)
@@ -123,10 +122,10 @@ def test_documents_join_on_whole_prompts_only():
     # two pairs whose prompts share a 2-token header only: two documents; with the prompt rule off, one
     rows = [[1, 2, 3, 4, 10], [1, 2, 3, 4, 11], [1, 2, 5, 6, 12], [1, 2, 5, 6, 13]]
     ids, attn, cm = _stock(rows, [4, 4, 4, 4])
-    layout = build_layout(ids, attn, prompt_lengths=prompt_lengths_from_completion_mask(attn, cm))
+    layout = build_layout(StockRows(ids, attn, prompt_lengths=prompt_lengths_from_completion_mask(attn, cm)))
     assert layout.input_ids.shape[0] == 2
     check_layout(layout, ids, attn)
-    merged = build_layout(ids, attn)
+    merged = build_layout(StockRows(ids, attn))
     assert merged.input_ids.shape[0] == 1
     check_layout(merged, ids, attn)
 
@@ -135,11 +134,11 @@ def test_examples_kept_apart_and_unshared_rows():
     rows = [[1, 2, 3], [1, 2, 4], [1, 2, 3], [1, 2, 5]]
     ids, attn, _ = _stock(rows)
     examples = torch.tensor([0, 0, 1, 1])
-    apart = build_layout(ids, attn, examples=examples, across_examples=False)
+    apart = build_layout(StockRows(ids, attn, examples=examples, across_examples=False))
     assert apart.input_ids.shape[0] == 2
     assert not torch.equal(apart.stock_index[0], apart.stock_index[2])
     check_layout(apart, ids, attn)
-    unshared = build_layout(ids, attn, examples=torch.tensor([0, 1, 0, 2]), share=False)
+    unshared = build_layout(StockRows(ids, attn, examples=torch.tensor([0, 1, 0, 2]), share=False))
     assert torch.equal(unshared.stock_index[0], unshared.stock_index[2])  # identical rows of one example
     assert (unshared.document_ids >= 0).sum() == 9
     check_layout(unshared, ids, attn)
@@ -149,9 +148,7 @@ def test_packing_rows():
     rows = [[1, 2, 3, 7], [1, 2, 3, 8, 8], [1, 2, 3, 9], [4, 5, 6], [4, 5, 7]]
     ids, attn, cm = _stock(rows, [3, 3, 3, 2, 2])
     layout = build_layout(
-        ids,
-        attn,
-        prompt_lengths=prompt_lengths_from_completion_mask(attn, cm),
+        StockRows(ids, attn, prompt_lengths=prompt_lengths_from_completion_mask(attn, cm)),
         rows=RowPolicy(pack=True, length=16, one_row=True),
     )
     assert layout.input_ids.shape == (1, 16)
@@ -163,13 +160,13 @@ def test_packing_rows():
 def test_left_padded_generations_and_scored_padding():
     rows = [[1, 2, 3, 4], [1, 2, 3, 5, 6], [2, 3, 4], [2, 3, 4]]  # left-padded prompts of different lengths
     ids, attn, _ = _stock(rows, left=True)
-    layout = shared_group_layout(ids, attn, prompt_length=3, pad_token_id=0)
+    layout = build_layout(StockRows.generated(ids, attn, 3), pad_token_id=0)
     check_layout(layout, ids, attn)
     assert torch.equal(layout.stock_index[2], layout.stock_index[3])
     # online DPO scores the padding after a completion: [prompt | completion | pad]
     ids = torch.tensor([[0, 1, 2, 7, 0], [0, 1, 2, 8, 9], [0, 1, 2, 7, 0]])
     attn = torch.tensor([[0, 1, 1, 1, 0], [0, 1, 1, 1, 1], [0, 1, 1, 1, 0]])
-    layout = shared_group_layout(ids, attn, prompt_length=3, pad_token_id=0, score_padding=True)
+    layout = build_layout(StockRows.generated(ids, attn, 3, score_padding=True), pad_token_id=0)
     check_layout(layout, ids, attn, score_padding=True)
     assert torch.equal(layout.stock_index[0], layout.stock_index[2])
 
@@ -194,7 +191,7 @@ def test_trie_matches_brute_force_oracle(seed):
     rows = _random_rows(rng, rng.randrange(1, 9))
     left = seed % 2 == 1
     ids, attn, _ = _stock(rows, left=left)
-    layout = build_layout(ids, attn)  # any shared token joins: one trie where the rows share a first token
+    layout = build_layout(StockRows(ids, attn))  # any shared token joins: one trie where the rows share a first token
     check_layout(layout, ids, attn)
     width = ids.shape[1]
     keyed = [[(t, (width - len(r) if left else 0) + c) for c, t in enumerate(r)] for r in rows]
@@ -207,7 +204,7 @@ def test_trie_matches_brute_force_oracle(seed):
 def test_wrong_mask_fails_the_visibility_check():
     """A mask that lets a sibling subtree see another (causal within the document) must fail `check_layout`."""
     ids, attn, cm = _stock([[1, 2, 3, 4], [1, 2, 3, 5, 6]], [2, 2])
-    layout = build_layout(ids, attn)
+    layout = build_layout(StockRows(ids, attn))
     n, s = layout.input_ids.shape
     leaky = dataclasses.replace(
         layout, subtree_end=torch.full_like(layout.subtree_end, s)
@@ -220,7 +217,7 @@ def test_wrong_mask_fails_the_visibility_check():
 
 def test_shared_positions_and_label_check():
     ids, attn, cm = _stock([[1, 2, 3, 4], [1, 2, 3, 5]], [2, 2])
-    layout = build_layout(ids, attn)
+    layout = build_layout(StockRows(ids, attn))
     assert shared_positions(layout).sum() == 2  # tokens 1 and 2; the copies of 3 are read by one row each
     labels = ids.masked_fill(cm == 0, -100)
     broken = dataclasses.replace(layout, stock_index=layout.stock_index.clone())
@@ -233,7 +230,7 @@ def test_shared_positions_and_label_check():
 def test_holes_in_the_attention_mask_are_refused():
     ids = torch.tensor([[1, 2, 3]])
     with pytest.raises(ValueError, match="one run"):
-        build_layout(ids, torch.tensor([[1, 0, 1]]))
+        build_layout(StockRows(ids, torch.tensor([[1, 0, 1]])))
 
 
 def test_a_layout_travels_with_its_batch():
@@ -242,7 +239,9 @@ def test_a_layout_travels_with_its_batch():
     from accelerate.utils import send_to_device
 
     ids, attn, cm = _stock([[1, 2, 3, 4], [1, 2, 3, 5, 6]], [2, 2])
-    layout = build_layout(ids, attn, prompt_lengths=prompt_lengths_from_completion_mask(attn, cm), check=False)
+    layout = build_layout(
+        StockRows(ids, attn, prompt_lengths=prompt_lengths_from_completion_mask(attn, cm), check=False)
+    )
     layout.vision = {"pixel_values": torch.ones(2, 3)}
     moved = send_to_device({"input_ids": ids, "prefix_sharing": layout}, "meta")["prefix_sharing"]
     assert isinstance(moved, Layout) and moved is not layout and moved.check is False

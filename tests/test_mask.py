@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from trl_prefix_sharing.layout import RowPolicy, build_layout
 from trl_prefix_sharing.mask import dense_mask, on_path, prefix_sharing_mask
-from trl_prefix_sharing.trie import plan_layout, prompt_lengths_from_completion_mask
+from trl_prefix_sharing.trie import StockRows, plan_layout, prompt_lengths_from_completion_mask
 
 
 def _picture(mask):
@@ -51,9 +51,11 @@ def _random_layout(rng, rows=3, docs=3):
         per_row = -(-len(lengths) // rows)
         return [list(range(i, min(i + per_row, len(lengths)))) for i in range(0, len(lengths), per_row)]
 
-    plan = plan_layout(input_ids, attention, prompt_lengths=prompts)
+    plan = plan_layout(StockRows(input_ids, attention, prompt_lengths=prompts))
     placement = tuple(map(tuple, packing([0] * int(plan.num_documents))))
-    return build_layout(input_ids, attention, rows=RowPolicy(pack=True, placement=placement), plan=plan), attention
+    return build_layout(
+        StockRows(input_ids, attention), rows=RowPolicy(pack=True, placement=placement), plan=plan
+    ), attention
 
 
 def _brute_force(layout, attention):

@@ -185,14 +185,15 @@ def test_group_positions_match_the_shared_layout():
     """The count behind the GRPO figures is what the layout builder lays out for a group."""
     import torch
 
-    from trl_prefix_sharing.layout import shared_group_layout
+    from trl_prefix_sharing.layout import build_layout
     from trl_prefix_sharing.savings import group_stats
+    from trl_prefix_sharing.trie import StockRows
 
     for p, c, g in [(5, 7, 4), (1, 3, 2), (9, 1, 8)]:
         prompt = list(range(10, 10 + p))
         rows = [prompt + [100 + k] + [200 + 10 * k + i for i in range(c - 1)] for k in range(g)]
         ids = torch.tensor(rows)
-        layout = shared_group_layout(ids, torch.ones_like(ids), p, pad_token_id=0)
+        layout = build_layout(StockRows.generated(ids, torch.ones_like(ids), p), pad_token_id=0)
         stats = group_stats([p], c, g)
         assert stats.stock_tokens == g * (p + c)
         assert stats.shared_tokens == int((layout.document_ids >= 0).sum())

@@ -432,6 +432,7 @@ def test_stats_plan_counts_are_the_layouts(score_padding):
 
     from trl_prefix_sharing.cli.stats import plan_rows
     from trl_prefix_sharing.layout import build_layout, shared_positions
+    from trl_prefix_sharing.trie import StockRows
 
     rng = random.Random(0)
     pairs = [([5, 6, 7], [5, 6, 7]), ([5, 6], [5, 6, 7, 8]), ([9, 6], [5, 6, 7]), ([5], [5, 8]), ([4], [7])]
@@ -446,12 +447,10 @@ def test_stats_plan_counts_are_the_layouts(score_padding):
         ids = torch.tensor([row + [1] * (width - len(row)) for row in rows])
         mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
         layout = build_layout(
-            ids,
-            mask,
-            examples=torch.arange(n).repeat(2),
-            across_examples=False,
+            StockRows(
+                ids, mask, examples=torch.arange(n).repeat(2), across_examples=False, score_padding=score_padding
+            ),
             pad_token_id=1,
-            score_padding=score_padding,
         )
         assert per_doc == (layout.document_ids >= 0).sum(dim=1).tolist()
         assert prefix == shared_positions(layout).sum(dim=1).tolist()

@@ -360,7 +360,7 @@ def test_every_trainer_reaches_the_session_through_the_mixin():
         if path.name not in {"collated.py", "collator.py", "sharing.py"}:
             assert "PrefixSharingCollator(" not in source, path.name
         if path.name not in {"layout.py", "session.py", "collator.py", "tuning.py"}:  # tuning: each candidate's
-            assert "build_layout(" not in source and "shared_group_layout(" not in source, path.name
+            assert "build_layout(" not in source, path.name
     session = (package / "session.py").read_text()
     assert "StartupCheck" not in session.split('"""', 2)[2]  # the session never enters the start-up check
 

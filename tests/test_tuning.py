@@ -25,6 +25,7 @@ from trl_prefix_sharing.cost import StepCost
 from trl_prefix_sharing.layout import RowPolicy, build_layout
 from trl_prefix_sharing.session import PrefixSharingSession
 from trl_prefix_sharing.testing import make_model
+from trl_prefix_sharing.trie import StockRows
 from trl_prefix_sharing.tuning import STOCK, Candidate, Fit, Tuning
 
 
@@ -110,7 +111,7 @@ def _tuning(fits: dict[str, Fit]) -> Tuning:
 def test_the_cheapest_candidate_is_laid_out(cheapest):
     ids, mask, examples = _rows()
     fits = {name: Fit(fixed=1.0 if name == cheapest else 2.0, per_mac=0.0) for name in ("sdpa", "varlen", STOCK)}
-    layout = build_layout(ids, mask, examples=examples, join="auto", tuning=_tuning(fits))
+    layout = build_layout(StockRows(ids, mask, examples=examples), join="auto", tuning=_tuning(fits))
     assert layout.kernel == cheapest
     assert (layout.segments is not None) == (cheapest == "varlen")
     if cheapest == STOCK:  # stock's own rows, every column a position the model computes
@@ -126,13 +127,13 @@ def test_the_per_multiply_add_cost_decides_between_sizes():
     ids, mask, examples = _rows()
     fits = {"sdpa": Fit(fixed=100.0, per_mac=0.0), "varlen": Fit(fixed=200.0, per_mac=0.0)}
     fits[STOCK] = Fit(fixed=0.0, per_mac=2.0)  # this batch: 36 positions and 324 pairs, 137 s; one short row: 8 s
-    assert build_layout(ids, mask, examples=examples, join="auto", tuning=_tuning(fits)).kernel == "sdpa"
-    assert build_layout(ids[:1, :3], mask[:1, :3], join="auto", tuning=_tuning(fits)).kernel == STOCK
+    assert build_layout(StockRows(ids, mask, examples=examples), join="auto", tuning=_tuning(fits)).kernel == "sdpa"
+    assert build_layout(StockRows(ids[:1, :3], mask[:1, :3]), join="auto", tuning=_tuning(fits)).kernel == STOCK
 
 
 def test_before_the_measurement_the_preferred_kernel_runs():
     ids, mask, examples = _rows()
-    layout = build_layout(ids, mask, examples=examples, join="auto", tuning=_tuning({}))
+    layout = build_layout(StockRows(ids, mask, examples=examples), join="auto", tuning=_tuning({}))
     assert layout.kernel == "sdpa"
 
 
@@ -228,7 +229,7 @@ def _train_steps(tuning_, timer, layouts: int) -> list:
     tuning.set_timer(timer)
     kernels = []
     for _ in range(layouts):
-        layout = build_layout(ids, mask, examples=examples, join="auto", tuning=tuning_)
+        layout = build_layout(StockRows(ids, mask, examples=examples), join="auto", tuning=tuning_)
         tuning_.tick(layout, "cpu")
         kernels.append(layout.kernel)
     return kernels
@@ -266,16 +267,16 @@ def test_a_step_is_timed_once_read_without_waiting_and_never_across_a_pause_or_a
     _train_steps(tuning_, timer, 3)
     assert len(timer.read) == 0 and len(tuning_.steps._unread) == 2  # not read yet: nothing waits for the device
     ids, mask, examples = _rows()
-    layout = build_layout(ids, mask, examples=examples, join="auto", tuning=tuning_)
+    layout = build_layout(StockRows(ids, mask, examples=examples), join="auto", tuning=tuning_)
     tuning_.tick(layout, "cpu")
     tuning_.tick(layout, "cpu")  # the same micro-batch again (one step): no mark
     assert timer.marks == 4 and len(timer.read) == 1
     tuning_.steps.stop()  # the end of train(): the step in progress is not one
     assert tuning_.steps._open is None
     with tuning_.steps.paused():
-        tuning_.tick(build_layout(ids, mask, examples=examples, join="auto", tuning=tuning_), "cpu")
+        tuning_.tick(build_layout(StockRows(ids, mask, examples=examples), join="auto", tuning=tuning_), "cpu")
     assert timer.marks == 4 and tuning_.steps._open is None
-    unmeasured = build_layout(ids, mask, examples=examples, join="auto", tuning=_tuning({}))
+    unmeasured = build_layout(StockRows(ids, mask, examples=examples), join="auto", tuning=_tuning({}))
     assert unmeasured.macs is None  # laid out before the measurement: nothing to time it against
     tuning_.tick(unmeasured, "cpu")
     assert tuning_.steps._open is None
@@ -296,12 +297,12 @@ def test_a_generation_inside_a_step_is_left_out_of_its_time(clock):
     timer = Clock({})
     tuning.set_timer(timer)
     ids, mask, examples = _rows()
-    tuning_.tick(build_layout(ids, mask, examples=examples, join="auto", tuning=tuning_), "cpu")
+    tuning_.tick(build_layout(StockRows(ids, mask, examples=examples), join="auto", tuning=tuning_), "cpu")
     timer.now = 5.0
     with tuning_.steps.excluding():  # 4 s of generation
         timer.now = 9.0
     timer.now = 10.0
-    tuning_.tick(build_layout(ids, mask, examples=examples, join="auto", tuning=tuning_), "cpu")
+    tuning_.tick(build_layout(StockRows(ids, mask, examples=examples), join="auto", tuning=tuning_), "cpu")
     assert [seconds for seconds, _ in tuning_.steps.samples["sdpa"]] == [6.0]
 
 

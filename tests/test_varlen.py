@@ -23,9 +23,10 @@ from test_layout import _random_rows, _stock, check_layout
 
 from trl_prefix_sharing import layout as layout_module
 from trl_prefix_sharing import varlen
-from trl_prefix_sharing.layout import RowPolicy, build_layout, shared_group_layout
+from trl_prefix_sharing.layout import RowPolicy, build_layout
 from trl_prefix_sharing.mask import dense_mask, prefix_sharing_mask
 from trl_prefix_sharing.testing import FAMILIES
+from trl_prefix_sharing.trie import StockRows
 
 
 STREAM = RowPolicy(stream=True)
@@ -65,7 +66,7 @@ def test_segments_are_exactly_the_prefix_sharing_mask(seed):
     rng = random.Random(seed)
     rows = _random_rows(rng, rng.randrange(1, 9))
     ids, attn, _ = _stock(rows, left=seed % 2 == 1)
-    layout = build_layout(ids, attn, rows=STREAM)
+    layout = build_layout(StockRows(ids, attn), rows=STREAM)
     check_layout(layout, ids, attn)  # the one-row layout itself is the trie (against the brute-force oracle)
     assert_segments_are_the_mask(layout)
     assert layout.segments[0].query_index is None  # the row's tokens in order are the queries
@@ -77,7 +78,9 @@ def test_scored_padding_is_a_second_call_that_sees_the_whole_real_path(seed):
     rows = _random_rows(rng, rng.randrange(2, 9))
     prompt_length = 2
     ids, attn, _ = _stock(rows)  # right-padded: [prompt | completion | pad], the padding scored (online DPO)
-    layout = shared_group_layout(ids, attn, prompt_length, 0, rows=STREAM, score_padding=True)
+    layout = build_layout(
+        StockRows.generated(ids, attn, prompt_length, score_padding=True), pad_token_id=0, rows=STREAM
+    )
     check_layout(layout, ids, attn, score_padding=True)
     assert_segments_are_the_mask(layout)
     if (attn == 0).any():
@@ -87,7 +90,7 @@ def test_scored_padding_is_a_second_call_that_sees_the_whole_real_path(seed):
 def test_a_wrong_segment_fails_the_comparison():
     """The comparison above is not vacuous: keys shifted by one position are another mask."""
     ids, attn, _ = _stock([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 7]])
-    layout = build_layout(ids, attn, rows=STREAM)
+    layout = build_layout(StockRows(ids, attn), rows=STREAM)
     call = layout.segments[0]
     call.key_index = call.key_index.roll(1)
     with pytest.raises(AssertionError):
@@ -96,8 +99,8 @@ def test_a_wrong_segment_fails_the_comparison():
 
 def test_the_row_holds_no_padding_and_fewer_positions_than_the_rounded_rows():
     ids, attn, _ = _stock([[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 8], [9, 10]])
-    stream = build_layout(ids, attn, rows=STREAM)
-    rows = build_layout(ids, attn, rows=RowPolicy(multiple=8))
+    stream = build_layout(StockRows(ids, attn), rows=STREAM)
+    rows = build_layout(StockRows(ids, attn), rows=RowPolicy(multiple=8))
     assert stream.input_ids.numel() == (stream.document_ids >= 0).sum() == 7 + 2 + 2  # the trie, plus one copy
     assert rows.input_ids.numel() == 2 * 16 > stream.input_ids.numel()  # 9 and 2 tokens, each row rounded to 16
     assert stream.segments[0].max_queries == 7 and stream.segments[0].max_keys == 7
@@ -108,7 +111,7 @@ def test_a_layout_for_other_rows_has_no_segments_for_the_varlen_backend():
 
     ids, attn, _ = _stock([[1, 2, 3], [1, 2, 4]])
     with pytest.raises(RuntimeError, match="no query segments"):
-        BACKENDS["varlen"].inputs(build_layout(ids, attn), config=None)
+        BACKENDS["varlen"].inputs(build_layout(StockRows(ids, attn)), config=None)
 
 
 # ----------------------------------------------------------------------------------------------- the attention
@@ -117,7 +120,7 @@ def _random_layout(seed):
     rows = [[rng.randrange(1, 4) for _ in range(rng.randrange(3, 12))] for _ in range(6)]
     rows += [row[: rng.randrange(1, len(row) + 1)] + [7, 8] for row in rows[:3]]  # branches off earlier rows
     ids, attn, _ = _stock(rows)
-    return build_layout(ids, attn, rows=STREAM)
+    return build_layout(StockRows(ids, attn), rows=STREAM)
 
 
 @pytest.mark.parametrize("window", [None, 3])
@@ -175,7 +178,7 @@ def test_scored_padding_under_a_sliding_window_equals_masked_sdpa(window):
     follows its path); a window that bites them goes through the reference on any device."""
     ids = torch.tensor([[1, 2, 3, 4, 0, 0], [1, 2, 3, 5, 6, 0], [1, 2, 7, 0, 0, 0]])
     attn = (ids > 0).long()
-    layout = shared_group_layout(ids, attn, 2, 0, rows=STREAM, score_padding=True)
+    layout = build_layout(StockRows.generated(ids, attn, 2, score_padding=True), pad_token_id=0, rows=STREAM)
     width = layout.input_ids.shape[1]
     q, k, v = (torch.randn(width, 2, 8, dtype=torch.float64) for _ in range(3))
     got = varlen.segment_attention(q, k, v, layout.segments, window=window)
@@ -191,7 +194,7 @@ def test_scored_padding_under_a_sliding_window_equals_masked_sdpa(window):
 
 def test_segments_travel_with_the_layout():
     ids, attn, _ = _stock([[1, 2, 3], [1, 2, 4]])
-    layout = build_layout(ids, attn, rows=STREAM)
+    layout = build_layout(StockRows(ids, attn), rows=STREAM)
     moved = layout.to("cpu")
     assert isinstance(moved.segments, tuple) and isinstance(moved.segments[0], layout_module.Segments)
     assert torch.equal(moved.segments[0].key_index, layout.segments[0].key_index)

@@ -23,6 +23,7 @@ _EXPORTS = {
     "RowPolicy": ".layout",
     "SUPPORTED_MODEL_TYPES": ".attention",
     "build_layout": ".layout",
+    "StockRows": ".trie",
     "dense_mask": ".mask",
     "prefix_sharing_mask": ".mask",
 }

@@ -9,7 +9,7 @@ import torch
 
 from .examples import example_ids, prompt_lengths
 from .layout import RowPolicy, build_layout
-from .trie import LayoutPlan, plan_layouts
+from .trie import LayoutPlan, StockRows, plan_layouts
 from .vision import has_vision_inputs
 
 
@@ -75,20 +75,21 @@ class PrefixSharingCollator:
     def _plans(self, batch, examples: torch.Tensor, across: bool, joins=("prompts",)) -> list[LayoutPlan]:
         """The tries of this batch's rows, `examples` being the example (or packing unit) of each row."""
         return plan_layouts(
-            batch["input_ids"],
-            batch["attention_mask"],
+            StockRows(
+                batch["input_ids"],
+                batch["attention_mask"],
+                prompt_lengths=self.prompts_of(batch),
+                examples=examples,
+                across_examples=across,
+                share=self.share_prefix,
+            ),
             joins=joins,
-            prompt_lengths=self.prompts_of(batch),
-            examples=examples,
-            across_examples=across,
-            share=self.share_prefix,
         )
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.base_collator(examples)
         batch["prefix_sharing"] = build_layout(
-            batch["input_ids"],
-            batch["attention_mask"],
+            StockRows(batch["input_ids"], batch["attention_mask"]),
             rows=self.rows,
             pad_token_id=self.pad_token_id,
             plan=self.plans(batch),

@@ -24,6 +24,7 @@ from transformers.utils import logging
 from .config import _SHARING_DOC, PrefixSharingArguments
 from .forward import stock_logits_dtype
 from .sharing import PrefixSharingMixin
+from .trie import StockRows
 
 
 __all__ = ["ConcatenatedSharingArguments", "ConcatenatedSharingMixin", "masked_mean"]
@@ -111,7 +112,9 @@ class ConcatenatedSharingMixin(PrefixSharingMixin):
         examples = torch.arange(num_pairs, device=input_ids.device).repeat(2)  # row i and row B + i: pair i
         score_padding = self.args.prefix_sharing_score_padding
         self._startup_check(input_ids, attention_mask, examples=examples)
-        layout = self.sharing_session.layout(input_ids, attention_mask, examples=examples, score_padding=score_padding)
+        layout = self.sharing_session.layout(
+            StockRows(input_ids, attention_mask, examples=examples, score_padding=score_padding)
+        )
         if self.model.training and torch.is_grad_enabled():
             self._count_positions(layout.num_positions, attention_mask)
         # each column's next token (scored padding: every column, padding included, a placeholder for the last one;

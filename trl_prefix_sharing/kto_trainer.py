@@ -36,7 +36,7 @@ from .config import _SHARING_DOC, PrefixSharingArguments
 from .forward import prefix_sharing_forward, unwrap_model
 from .layout import Layout
 from .sharing import PrefixSharingMixin
-from .trie import prompt_lengths_from_completion_mask
+from .trie import StockRows, prompt_lengths_from_completion_mask
 
 
 __all__ = ["KTOConfig", "KTOTrainer"]
@@ -131,12 +131,9 @@ class _SharedKTOBatch:
                 examples = examples.to(rows.input_ids.device)
             else:
                 rows, examples = getattr(self, name), None
-            self._layouts[name] = self.sharing_session.layout(
-                rows.input_ids,
-                rows.attention_mask,
-                prompt_lengths=prompt_lengths_from_completion_mask(rows.attention_mask, rows.completion_mask),
-                examples=examples,
-            )
+            prompts = prompt_lengths_from_completion_mask(rows.attention_mask, rows.completion_mask)
+            stock = StockRows(rows.input_ids, rows.attention_mask, prompt_lengths=prompts, examples=examples)
+            self._layouts[name] = self.sharing_session.layout(stock)
         return self._layouts[name]
 
     def merged_rows(self) -> _Rows:

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .trie import LayoutPlan, plan_layouts, plan_shape, plan_sizes
+from .trie import LayoutPlan, StockRows, plan_layouts, plan_shape, plan_sizes
 
 
 if TYPE_CHECKING:
@@ -53,7 +53,6 @@ __all__ = [
     "RowPolicy",
     "assemble_layout",
     "build_layout",
-    "shared_group_layout",
     "stock_layout",
     "shared_labels",
     "gather_to_stock",
@@ -367,51 +366,33 @@ def _segments(plan: LayoutPlan, flat: torch.Tensor, depth: torch.Tensor, laid: t
 
 
 def build_layout(
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    prompt_lengths: torch.Tensor | None = None,
-    examples: torch.Tensor | None = None,
-    across_examples: bool = True,
-    share: bool = True,
+    stock: StockRows,
     rows: RowPolicy | None = None,
     pad_token_id: int = 0,
-    score_padding: bool = False,
-    check: bool = True,
     plan: LayoutPlan | list[LayoutPlan] | None = None,
     join: str = "prompts",
     cost=None,
     tuning=None,
 ) -> Layout:
-    """The shared layout of stock rows: `plan_layouts`, the cheapest candidate, then `assemble_layout`. A pure
-    function of the rows (and of `tuning`'s measured costs).
+    """The shared layout of `stock` rows (`trie.StockRows`): `plan_layouts`, the cheapest candidate, then
+    `assemble_layout`. A pure function of the rows (and of `tuning`'s measured costs).
 
     Args:
         rows: where the documents go (`RowPolicy`): one per row (the default), or packed. Packing reads the documents'
             lengths on the host.
         pad_token_id: the token that pads the shared rows.
-        plan: the plan of these rows, or the plans to choose from, if already made (the other planning arguments are
-            then unused).
+        plan: the plan of these rows, or the plans to choose from, if already made (`stock`'s other fields are then
+            unused).
         join: how rows that share a prefix join one document (`JOINS`).
         cost: the step's cost model (`cost.StepCost`), which chooses between plans (`join="auto"`).
         tuning: the candidates to choose from and their measured costs (`tuning.Tuning`): stock rows, and every plan
             laid out for every kernel's rows and cost model (`rows` and `cost` are then unused). The layout says which
             it is (`Layout.kernel`; stock rows: `stock_layout`).
 
-    Other arguments: see `plan_layout`. One device-to-host read (each plan's number of documents and longest, or its
-    documents' lengths when packed).
+    One device-to-host read (each plan's number of documents and longest, or its documents' lengths when packed).
     """
     if plan is None:
-        plan = plan_layouts(
-            input_ids,
-            attention_mask,
-            joins=(join,),
-            prompt_lengths=prompt_lengths,
-            examples=examples,
-            across_examples=across_examples,
-            share=share,
-            score_padding=score_padding,
-            check=check,
-        )
+        plan = plan_layouts(stock, joins=(join,))
     plans = plan if isinstance(plan, list) else [plan]
     from .tuning import Candidate, Tuning
 
@@ -423,7 +404,7 @@ def build_layout(
     options = []  # (predicted cost, candidate, plan index, shape)
     for candidate in tuning.candidates:
         if candidate.is_stock:
-            num, width = input_ids.shape
+            num, width = stock.input_ids.shape
             options.append((tuning.estimate(candidate, num, width, num * width * width), candidate, None, None))
             continue
         for number, (p, size) in enumerate(zip(plans, sizes, strict=True)):
@@ -438,9 +419,9 @@ def build_layout(
     explore = tuning.exploring() if tuning.fits else None  # a close candidate's turn (`tuning.Tuning.exploring`)
     turn = [option for option in options if option[1].name == explore and math.isfinite(option[0])]
     _, candidate, number, shape = min(turn or options, key=lambda option: option[0])  # the first on a tie
-    macs = _chosen_macs(candidate, input_ids, shape) if tuning.fits else None
+    macs = _chosen_macs(candidate, stock.input_ids, shape) if tuning.fits else None
     if candidate.is_stock:
-        layout = stock_layout(input_ids, attention_mask, check=check)
+        layout = stock_layout(stock.input_ids, stock.attention_mask, check=stock.check)
         layout.macs = macs
         return layout
     if isinstance(shape, ValueError):  # no plan fits the rows
@@ -455,7 +436,7 @@ def build_layout(
     layout = assemble_layout(
         plans[number], num_rows, width, pad_token_id=pad_token_id, segments=candidate.rows.stream, **placement
     )
-    layout.check = check
+    layout.check = stock.check
     layout.join = plans[number].join
     layout.kernel = candidate.name
     layout.macs = macs
@@ -487,37 +468,6 @@ def stock_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, check: b
         check=check,
         join="stock",
         kernel="stock",
-    )
-
-
-def shared_group_layout(
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    prompt_length: int,
-    pad_token_id: int,
-    rows: RowPolicy | None = None,
-    score_padding: bool = False,
-    check: bool = True,
-    join: str = "prompts",
-    cost=None,
-    tuning=None,
-) -> Layout:
-    """The shared layout of generated rows `[prompt (prompt_length columns) | completion]` (GRPO, RLOO, online DPO),
-    on the rows' device: a row's prompt is its tokens in the prompt columns, so a prompt's generations (and duplicate
-    prompts') form one document (`score_padding`: see `plan_layout`; `rows`, `join`, `cost`, `tuning`: see
-    `build_layout`)."""
-    prompt_lengths = attention_mask[:, :prompt_length].sum(dim=1)
-    return build_layout(
-        input_ids,
-        attention_mask,
-        prompt_lengths=prompt_lengths,
-        rows=rows,
-        pad_token_id=pad_token_id,
-        score_padding=score_padding,
-        check=check,
-        join=join,
-        cost=cost,
-        tuning=tuning,
     )
 
 

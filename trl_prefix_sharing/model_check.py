@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import logging
 
+from .trie import StockRows
+
 
 __all__ = [
     "MODES",
@@ -345,7 +347,7 @@ class StartupCheck:
         rows = examples_to_check(input_ids, attention_mask, prompt_lengths=prompt_lengths, examples=examples)
 
         def layout_fn(ids, mask, lengths, example_ids):
-            return session.layout(ids, mask, prompt_lengths=lengths, examples=example_ids)
+            return session.layout(StockRows(ids, mask, prompt_lengths=lengths, examples=example_ids))
 
         session.attach()
         router, session.router = session.router, None  # the check's stock rows run as stock

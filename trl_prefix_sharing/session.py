@@ -10,7 +10,7 @@ policy and reference passes share it.
 Every trainer reaches it in one line per batch:
 
 - preference trainers (DPO, reward): `session.prepare(inputs)` completes the `Layout` the collator put in the batch;
-- trainers that build their stock rows in the step (ORPO, CPO, KTO): `session.layout(input_ids, attention_mask, ...)`;
+- trainers that build their stock rows in the step (ORPO, CPO, KTO): `session.layout(StockRows(...))`;
 - online trainers (GRPO, RLOO, online DPO): `session.generated_layout(input_ids, attention_mask, prompt_length)` on
   the rows TRL generated, kept while those rows live.
 
@@ -20,6 +20,7 @@ layout; the session does not call it.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Mapping
 
@@ -27,8 +28,9 @@ import torch
 
 from .attention import BACKENDS, AttentionBackend, AttentionSwitch
 from .forward import install_prefix_sharing_forward, remove_prefix_sharing_forward
-from .layout import Layout, RowPolicy, build_layout, shared_group_layout
+from .layout import Layout, RowPolicy, build_layout
 from .patching import is_patched, keep_own, mark_patched, put_back_own
+from .trie import StockRows
 from .tuning import Tuning
 from .vision import has_vision_inputs, shared_vision_inputs
 
@@ -136,29 +138,13 @@ class PrefixSharingSession:
             layout.vision = shared_vision_inputs(self.models[0], inputs, layout)
         return layout
 
-    def layout(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        prompt_lengths: torch.Tensor | None = None,
-        examples: torch.Tensor | None = None,
-        score_padding: bool = False,
-    ) -> Layout:
-        """The layout, with its attention inputs, of stock rows built in the training step (the trie of the rows;
-        `examples`, `prompt_lengths` and `score_padding`: see `plan_layout`), as `self.tuning` chooses. On the rows'
-        device; one host read."""
+    def layout(self, stock: StockRows) -> Layout:
+        """The layout, with its attention inputs, of `stock` rows built in the training step (the trie of the rows),
+        as `self.tuning` chooses; the session decides whether it checks them (`checks`). On the rows' device; one host
+        read."""
         self.attach()
-        layout = build_layout(
-            input_ids,
-            attention_mask,
-            prompt_lengths=prompt_lengths,
-            examples=examples,
-            pad_token_id=self.pad_token_id,
-            score_padding=score_padding,
-            check=self._checks_on(input_ids),
-            join=self.join,
-            tuning=self.tuning,
-        )
+        checked = dataclasses.replace(stock, check=self._checks_on(stock.input_ids))
+        layout = build_layout(checked, pad_token_id=self.pad_token_id, join=self.join, tuning=self.tuning)
         return self.with_attention(layout)
 
     def generated_layout(
@@ -170,8 +156,7 @@ class PrefixSharingSession:
         source: tuple[torch.Tensor, ...] | None = None,
     ) -> Layout:
         """The layout, with its attention inputs, of generated rows `[left-padded prompt | completion]` (the trie of
-        the rows: a prompt's generations, and duplicate prompts', computed once; `score_padding`: see
-        `plan_layout`).
+        the rows: a prompt's generations, and duplicate prompts', computed once; `score_padding`: see `StockRows`).
 
         Built once per set of rows: it is kept while the tensors the rows were read from live unchanged (`source`,
         default `input_ids` and `attention_mask`; views of one generation batch count as the same rows), so the
@@ -181,13 +166,15 @@ class PrefixSharingSession:
         key = (prompt_length, score_padding)
         layout = self._layouts.get(source, key)
         if layout is None:
-            layout = shared_group_layout(
-                input_ids,
-                attention_mask,
-                prompt_length,
-                self.pad_token_id,
-                score_padding=score_padding,
-                check=self._checks_on(input_ids),
+            layout = build_layout(
+                StockRows.generated(
+                    input_ids,
+                    attention_mask,
+                    prompt_length,
+                    score_padding=score_padding,
+                    check=self._checks_on(input_ids),
+                ),
+                pad_token_id=self.pad_token_id,
                 join=self.join,
                 tuning=self.tuning,
             )

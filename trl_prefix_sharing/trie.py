@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "JOINS",
+    "StockRows",
     "LayoutPlan",
     "pairwise_common_prefix",
     "plan_layout",
@@ -145,18 +146,9 @@ def _one_join(join: str) -> tuple[str, ...]:
     return ("prompts", "always") if join == "auto" else (join,)
 
 
-def plan_layout(
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    prompt_lengths: torch.Tensor | None = None,
-    examples: torch.Tensor | None = None,
-    across_examples: bool = True,
-    share: bool = True,
-    score_padding: bool = False,
-    check: bool = True,
-    join: str = "prompts",
-) -> LayoutPlan:
-    """Sort the stock rows into a trie and find what each row adds (tensor ops on the rows' device).
+@dataclass(frozen=True)
+class StockRows:
+    """A micro-batch's stock rows, as the trainer's TRL code builds them, and what a layout must know of them.
 
     Args:
         input_ids, attention_mask: stock `[R, L]` padded tensors (right padding, left padding, or both).
@@ -169,23 +161,37 @@ def plan_layout(
         share: False: no sharing, each row its own document, except identical rows of one example (which stay one
             document so that they get bitwise identical results, as in stock).
         score_padding: also lay out the padding after each row's tokens, as stock computes it when a trainer scores
-            it (online DPO's statistics do); see `assemble_layout`.
+            it (online DPO's statistics do); see `layout.assemble_layout`.
         check: verify that each row's tokens are one run (a comparison on the rows' device, so a host sync there).
-        join: `"prompts"` or `"always"` (see `JOINS`; `"auto"` chooses between their plans in `build_layout`).
     """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_lengths: torch.Tensor | None = None
+    examples: torch.Tensor | None = None
+    across_examples: bool = True
+    share: bool = True
+    score_padding: bool = False
+    check: bool = True
+
+    def __post_init__(self):
+        if self.input_ids.dim() != 2 or self.attention_mask.shape != self.input_ids.shape:
+            raise ValueError("`input_ids` and `attention_mask` must be [rows, length] tensors of the same shape.")
+
+    @classmethod
+    def generated(cls, input_ids, attention_mask, prompt_length: int, score_padding=False, check=True) -> StockRows:
+        """Generated rows `[prompt (prompt_length columns) | completion]` (GRPO, RLOO, online DPO): a row's prompt is
+        its tokens in the prompt columns, so a prompt's generations (and duplicate prompts') form one document."""
+        prompt_lengths = attention_mask[:, :prompt_length].sum(dim=1)
+        return cls(input_ids, attention_mask, prompt_lengths, score_padding=score_padding, check=check)
+
+
+def plan_layout(rows: StockRows, join: str = "prompts") -> LayoutPlan:
+    """Sort the stock `rows` into a trie and find what each row adds (tensor ops on the rows' device), under the join
+    rule `join`: `"prompts"` or `"always"` (see `JOINS`; `"auto"` chooses between their plans in `build_layout`)."""
     if join == "auto":
         raise ValueError("`plan_layout` makes one plan: `join='auto'` chooses between plans in `build_layout`.")
-    (plan,) = plan_layouts(
-        input_ids,
-        attention_mask,
-        joins=(join,),
-        prompt_lengths=prompt_lengths,
-        examples=examples,
-        across_examples=across_examples,
-        share=share,
-        score_padding=score_padding,
-        check=check,
-    )
+    (plan,) = plan_layouts(rows, joins=(join,))
     return plan
 
 
@@ -202,24 +208,23 @@ class _SortedRows:
     same_example: torch.Tensor | None  # [R] whether the row before is of the same example (within-example sharing)
 
 
-def _sort_stock_rows(
-    input_ids, attention_mask, prompt_lengths, examples, across_examples, share, score_padding, check
-) -> _SortedRows:
+def _sort_stock_rows(stock: StockRows) -> _SortedRows:
     """The rows sorted into a trie: each row's place, tokens, and what it shares with the row before it."""
+    input_ids, prompt_lengths, examples = stock.input_ids, stock.prompt_lengths, stock.examples
     device = input_ids.device
     num_rows, width = input_ids.shape
-    real, starts = _token_runs(attention_mask, check)
+    real, starts = _token_runs(stock.attention_mask, stock.check)
     columns = torch.arange(width, device=device)
     in_row = (columns >= starts[:, None]) & (columns < (starts + real)[:, None])
     keys = torch.where(in_row, input_ids, _NO_TOKEN)
-    if score_padding:  # the padding after a row's tokens is laid out (and scored) with the row
+    if stock.score_padding:  # the padding after a row's tokens is laid out (and scored) with the row
         keys = torch.where(columns >= (starts + real)[:, None], _SCORED_PAD - input_ids, keys)
         lengths = torch.where(real > 0, width - starts, 0)
     else:
         lengths = real
     lead = 0
     examples = examples.to(device) if examples is not None else None
-    if examples is not None and (not across_examples or not share):
+    if examples is not None and (not stock.across_examples or not stock.share):
         keys = torch.cat([examples.view(-1, 1), keys], dim=1)  # rows of different examples never meet
         lead = 1
     common = pairwise_common_prefix(keys)
@@ -248,14 +253,14 @@ def _sort_stock_rows(
     return _SortedRows(order, s_starts, s_lengths, real[order], shared, prompt_lengths.to(device)[order], same_example)
 
 
-def _joined_plan(rows: _SortedRows, input_ids, share: bool, score_padding: bool, join: str) -> LayoutPlan:
+def _joined_plan(rows: _SortedRows, stock: StockRows, join: str) -> LayoutPlan:
     """The plan of sorted rows under one join rule (`"prompts"` or `"always"`)."""
     device = rows.order.device
     num_rows = rows.order.shape[0]
     index = torch.arange(num_rows, device=device)
     shared, s_lengths = rows.shared, rows.lengths
     prev_lengths = _previous(s_lengths)
-    if share:
+    if stock.share:
         joins = shared >= torch.minimum(rows.prompts, _previous(rows.prompts)).clamp(min=1)
         if join == "always":  # any common start of two tokens saves positions (one is copied to start the branch)
             joins |= shared >= 2
@@ -284,32 +289,17 @@ def _joined_plan(rows: _SortedRows, input_ids, share: bool, score_padding: bool,
         offset=offset,
         document_lengths=document_lengths,
         num_documents=(~joins).sum(),
-        input_ids=input_ids[rows.order],
-        score_padding=score_padding,
+        input_ids=stock.input_ids[rows.order],
+        score_padding=stock.score_padding,
         join=join,
     )
 
 
-def plan_layouts(
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    joins: tuple[str, ...] = ("prompts",),
-    prompt_lengths: torch.Tensor | None = None,
-    examples: torch.Tensor | None = None,
-    across_examples: bool = True,
-    share: bool = True,
-    score_padding: bool = False,
-    check: bool = True,
-) -> list[LayoutPlan]:
-    """The plans of the stock rows under each join rule of `joins` (`"auto"`: both), from one sort. Other arguments:
-    see `plan_layout`."""
-    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
-        raise ValueError("`input_ids` and `attention_mask` must be [rows, length] tensors of the same shape.")
+def plan_layouts(rows: StockRows, joins: tuple[str, ...] = ("prompts",)) -> list[LayoutPlan]:
+    """The plans of the stock `rows` under each join rule of `joins` (`"auto"`: both), from one sort."""
     rules = [rule for join in joins for rule in _one_join(join)]
-    rows = _sort_stock_rows(
-        input_ids, attention_mask, prompt_lengths, examples, across_examples, share, score_padding, check
-    )
-    return [_joined_plan(rows, input_ids, share, score_padding, rule) for rule in rules]
+    sorted_rows = _sort_stock_rows(rows)
+    return [_joined_plan(sorted_rows, rows, rule) for rule in rules]
 
 
 def plan_sizes(plans: list[LayoutPlan]) -> list[list[int]]:

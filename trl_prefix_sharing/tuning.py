@@ -55,6 +55,7 @@ from transformers.utils import logging
 
 from .cost import StepCost
 from .layout import RowPolicy, build_layout, stock_layout
+from .trie import StockRows
 
 
 __all__ = [
@@ -551,13 +552,15 @@ def measure_session(
         if candidate.is_stock:
             return stock_layout(ids, mask, check=False)
         layout = build_layout(
-            ids,
-            mask,
-            prompt_lengths=None if prompt_lengths is None else prompt_lengths[take],
-            examples=None if examples is None else examples[take],
+            StockRows(
+                ids,
+                mask,
+                prompt_lengths=None if prompt_lengths is None else prompt_lengths[take],
+                examples=None if examples is None else examples[take],
+                check=False,
+            ),
             rows=candidate.rows,
             pad_token_id=session.pad_token_id,
-            check=False,
             join=session.join,
             cost=candidate.cost,
         )

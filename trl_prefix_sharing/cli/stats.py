@@ -1100,17 +1100,19 @@ def plan_rows(rows: list[list[int]], examples: list[int], pad_token_id: int, sco
     From the layout's plan (`plan_layout`), without assembling the shared rows."""
     import torch
 
-    from ..trie import plan_layout
+    from ..trie import StockRows, plan_layout
 
     width = max(map(len, rows))
     input_ids = torch.tensor([row + [pad_token_id] * (width - len(row)) for row in rows])
     attention_mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
     plan = plan_layout(
-        input_ids,
-        attention_mask,
-        examples=torch.tensor(examples),
-        across_examples=False,
-        score_padding=score_padding,
+        StockRows(
+            input_ids,
+            attention_mask,
+            examples=torch.tensor(examples),
+            across_examples=False,
+            score_padding=score_padding,
+        )
     )
     documents = int(plan.num_documents)
     # a document's first row reads nothing before it (`first_new` 0); each later row reads `first_new` positions
