@@ -263,7 +263,7 @@ def test_stats_console_script_errors_are_one_clean_line(workspace, args, message
         (["--dataset_name", "prefs.jsonl", "--trainer", "rloo", "--max_length", "64"], "--max_length applies to"),
         (["--dataset_name", "prefs.jsonl", "--trainer", "grpo", "--completion_length", "600"], "is longer than"),
         (["--dataset_name", "prefs.jsonl", "--trainer", "reward", "--truncation_mode", "keep_end"], "dpo or sft only"),
-        (["--dataset_name", "prefs.jsonl", "--trainer", "reward", "--max_length", "3"], "no examples left"),
+        (["--dataset_name", "prefs.jsonl", "--trainer", "reward", "--max_length", "3"], "preprocessing left none"),
         (["--model_name_or_path", "tok"], "the following arguments are required: --dataset_name"),
         (["--dataset_name", "prompts.jsonl", "--trainer", "online_dpo", "--num_generations", "4"], "generates 2"),
         (["--dataset_name", "prompts.jsonl", "--trainer", "online_dpo", "--max_completion_length", "9"], "--max_new_"),
@@ -392,30 +392,60 @@ def _columns(dataset, names):
     return {name: list(dataset[name]) for name in names}
 
 
-@pytest.mark.parametrize("limits", [(None, "keep_start"), (7, "keep_start"), (7, "keep_end")], ids=str)
-@pytest.mark.parametrize("name", list(_DATASETS))
-def test_stats_dpo_preprocessing_is_trls(tokenizer, tmp_path, name, limits):
-    """`stats`' DPO columns equal those of TRL's `DPOTrainer._prepare_dataset`, examples dropped included."""
-    import datasets
-    import trl
+def _model(kind, tokenizer):
+    """A tiny model of the kind `kind`'s trainer trains (a reward model for `reward`)."""
+    from equivalence import make_reward_model
 
-    from trl_prefix_sharing.cli.stats import dpo_dataset
+    from trl_prefix_sharing.testing import make_model
+
+    return make_reward_model("llama", tokenizer) if kind == "reward" else make_model("llama", len(tokenizer))
+
+
+def _prepared_and_real(kind, dataset, tokenizer, tmp_path, **options):
+    """The trainer `stats` builds on a tiny stand-in model, and the same trainer built on a real tiny
+    model: what each prepares must be the same."""
+    import warnings
+
+    import trl_prefix_sharing
+    from trl_prefix_sharing.cli.prepared import prepared_trainer
+    from trl_prefix_sharing.testing import make_model
+
+    spec = trl_prefix_sharing.trainers.TRAINERS[kind]
+    prepared = prepared_trainer(kind, dataset, tokenizer, **options)
+    model = _model(kind, tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        config = getattr(trl_prefix_sharing, spec.config_class)(
+            output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", prefix_sharing=True, **options
+        )
+    refs = {"ref_model": make_model("llama", len(tokenizer))} if kind == "dpo" else {}
+    trainer_class = getattr(trl_prefix_sharing, spec.trainer_class)
+    real = trainer_class(model=model, **refs, args=config, train_dataset=dataset, processing_class=tokenizer)
+    return prepared, real
+
+
+@pytest.mark.parametrize("limits", [(None, "keep_start"), (7, "keep_start"), (7, "keep_end")], ids=str)
+@pytest.mark.parametrize("name", ["plain", "implicit", "chat_tools", "chat_thinking"])
+def test_stats_dpo_prepares_as_the_trainer(tokenizer, tmp_path, name, limits):
+    """`stats` prepares DPO data with the DPO trainer itself, on a tiny stand-in model: the columns equal
+    those of the trainer built on a real model (examples dropped included), on awkward data."""
+    import datasets
 
     max_length, truncation_mode = limits
     tokenizer = _preference_tokenizer(tokenizer, name)
     dataset = datasets.Dataset.from_list(_DATASETS[name])
-    config = _trl_config(trl.DPOConfig, tmp_path, max_length=max_length, truncation_mode=truncation_mode)
-    trainer = object.__new__(trl.DPOTrainer)
-    trainer._tokenizer = tokenizer
-    expected = trainer._prepare_dataset(dataset, tokenizer, config, "train")
-    ours = dpo_dataset(dataset, tokenizer, max_length, truncation_mode)
+    prepared, real = _prepared_and_real(
+        "dpo", dataset, tokenizer, tmp_path, max_length=max_length, truncation_mode=truncation_mode
+    )
     names = ["prompt_ids", "chosen_ids", "rejected_ids"]
-    assert _columns(ours, names) == _columns(expected, names)
+    assert _columns(prepared.train_dataset, names) == _columns(real.train_dataset, names)
+    assert len(prepared.train_dataset) > 0
     if name == "plain":  # the awkward cases are there
-        rows = _columns(ours, names)
+        rows = _columns(prepared.train_dataset, names)
         assert 1 in map(len, rows["prompt_ids"])  # a one-token prompt
         assert [tokenizer.eos_token_id] in rows["chosen_ids"]  # an empty completion: EOS only
-        assert (len(ours) < len(dataset)) == (max_length is not None and truncation_mode == "keep_start")
+        dropped = max_length is not None and truncation_mode == "keep_start"
+        assert (len(prepared.train_dataset) < len(dataset)) == dropped
 
 
 _REWARD_DATASETS = {
@@ -433,73 +463,93 @@ _REWARD_DATASETS = {
 
 
 @pytest.mark.parametrize("max_length", [None, 7])
-@pytest.mark.parametrize("name", list(_REWARD_DATASETS))
-def test_stats_reward_preprocessing_is_trls(tokenizer, tmp_path, name, max_length):
-    """`stats`' reward columns equal those of TRL's `RewardTrainer._prepare_dataset`, examples dropped included."""
+@pytest.mark.parametrize("name", ["plain", "chat_implicit", "margin", "legacy_ids", "ranked"])
+def test_stats_reward_prepares_as_the_trainer(tokenizer, tmp_path, name, max_length):
+    """`stats` prepares reward data (pairs, TRL's older column names, ranked lists) with the reward trainer itself:
+    the columns equal those of the trainer built on a real model, examples dropped included."""
     import warnings
 
     import datasets
-    import trl
 
-    from trl_prefix_sharing.cli.stats import reward_dataset
-
-    dataset = datasets.Dataset.from_list(_REWARD_DATASETS[name])
-    config = _trl_config(trl.RewardConfig, tmp_path, max_length=max_length)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # TRL's deprecation of the legacy column names
-        expected = object.__new__(trl.RewardTrainer)._prepare_dataset(dataset, tokenizer, config, "train")
-    ours = reward_dataset(dataset, tokenizer, max_length)
-    assert _columns(ours, ["chosen_ids", "rejected_ids"]) == _columns(expected, ["chosen_ids", "rejected_ids"])
-    assert ("margin" in ours.column_names) == (name == "margin")
-    if max_length:
-        assert 0 < len(ours) < len(dataset)  # the limit dropped some examples, not all
-
-
-@pytest.mark.parametrize("max_length", [None, 9])
-@pytest.mark.parametrize("conversational", [False, True])
-def test_stats_ranked_preprocessing_is_the_reward_trainers(tokenizer, tmp_path, conversational, max_length):
-    """Ranked data: `stats`' `completion_ids` equal those of this package's `RewardTrainer._prepare_dataset`."""
-    import datasets
-
-    from trl_prefix_sharing.cli.stats import reward_dataset
-    from trl_prefix_sharing.config import RewardConfig
-    from trl_prefix_sharing.reward_trainer import RewardTrainer
-
-    rows = [
+    rows = _REWARD_DATASETS.get(name) or [
         {"prompt": "w1", "completions": [" w2", "", " w3 w4 w5"]},
         {"prompt": "w1 w2 w3 w4", "completions": [" w5 w6 w7 w8 w9", " w10"]},
         {"prompt": "w6 w7", "completions": [" w8", " w9<eos>"]},
     ]
-    if conversational:
-        rows = [
-            {"prompt": [_user(row["prompt"])], "completions": [[_assistant(c.strip())] for c in row["completions"]]}
-            for row in rows
-        ]
     dataset = datasets.Dataset.from_list(rows)
-    config = _trl_config(RewardConfig, tmp_path, max_length=max_length)
-    expected = object.__new__(RewardTrainer)._prepare_dataset(dataset, tokenizer, config, "train")
-    ours = reward_dataset(dataset, tokenizer, max_length)
-    assert _columns(ours, ["completion_ids"]) == _columns(expected, ["completion_ids"])
-    assert len(ours) == len(dataset) - (1 if max_length else 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # TRL's deprecation of the legacy column names
+        prepared, real = _prepared_and_real("reward", dataset, tokenizer, tmp_path, max_length=max_length)
+    names = ["completion_ids"] if name == "ranked" else ["chosen_ids", "rejected_ids"]
+    assert 0 < len(prepared.train_dataset) and _columns(prepared.train_dataset, names) == _columns(
+        real.train_dataset, names
+    )
+    assert ("margin" in prepared.train_dataset.column_names) == (name == "margin")
+    if max_length:
+        assert len(prepared.train_dataset) < len(dataset)  # the limit dropped some examples, not all
 
 
-def test_stats_dpo_warns_once_of_a_prompt_end_counted_as_completion(tokenizer, monkeypatch):
-    """A prompt ending inside a word (`w1 w` + `2 w3`): its last token is not where prompt + completion continue;
-    counted as completion, as TRL does, with one warning naming it."""
-    import warnings
-
+@pytest.mark.parametrize("kind", ["dpo", "reward"])
+def test_stats_counts_what_a_training_run_logs(workspace, tokenizer, tmp_path, capsys, kind):
+    """The positions per example `stats` prints for DPO and reward data are the `num_shared_tokens` a run of this
+    package's trainer logs over the same examples (one epoch, every prompt distinct, so that micro-batches share
+    nothing across examples), divided by the examples."""
     import datasets
+
+    import trl_prefix_sharing
+    from trl_prefix_sharing.cli.stats import main
+    from trl_prefix_sharing.testing import make_model
+
+    rows = [json.loads(line) for line in (workspace / "prefs.jsonl").read_text().splitlines()][:12]
+    assert len({row["prompt"] for row in rows}) == len(rows)
+    data = workspace / f"distinct_{kind}.jsonl"
+    _write_jsonl(data, rows)
+    argv = ["--dataset_name", str(data), "--model_name_or_path", str(workspace / "tok"), "--trainer", kind]
+    assert main([*argv, "--per_device_train_batch_size", "4"]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("positions per")]
+    printed = float(line.split("shared ")[1].split(" ")[0])
+
+    spec = trl_prefix_sharing.trainers.TRAINERS[kind]
+    model = _model(kind, tokenizer)
+    config = getattr(trl_prefix_sharing, spec.config_class)(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        prefix_sharing=True,
+        prefix_sharing_join="prompts",
+        prefix_sharing_attn_implementation="sdpa",  # no measured choice of stock's rows
+        per_device_train_batch_size=4,
+        max_steps=3,
+        logging_steps=3,
+        save_strategy="no",
+    )
+    refs = {"ref_model": make_model("llama", len(tokenizer))} if kind == "dpo" else {}
+    trainer = getattr(trl_prefix_sharing, spec.trainer_class)(
+        model=model, **refs, args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer
+    )
+    trainer.train()
+    logged = [entry["num_shared_tokens"] for entry in trainer.state.log_history if "num_shared_tokens" in entry]
+    assert logged and logged[-1] > 0
+    assert printed == pytest.approx(logged[-1] / len(rows), abs=0.05)  # printed to one decimal
+    stock_per_example = float(line.split("stock ")[1].split(",")[0])
+    assert abs(stock_per_example - logged[-1] / len(rows)) > 0.05  # the comparison can fail: stock's count differs
+
+
+def test_stats_warns_once_of_a_prompt_end_counted_as_completion(tokenizer, monkeypatch):
+    """A prompt ending inside a word (`w1 w` + `2 w3`): its last token is not where prompt + completion continue;
+    counted as completion, as TRL does, with one warning naming it (the tokenization `stats` re-derives for KTO)."""
+    import warnings
 
     from trl_prefix_sharing.cli import stats
 
     monkeypatch.setattr(stats, "_prompt_end_noted", [])
-    dataset = datasets.Dataset.from_list([_PLAIN[3], _PLAIN[3], _PLAIN[0]])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        prepared = stats.dpo_dataset(dataset, tokenizer, None, "keep_start")
+        tokenized = [stats._tokenize_pair(row, tokenizer) for row in (_PLAIN[3], _PLAIN[3], _PLAIN[0])]
     notes = [str(w.message) for w in caught if "is counted as completion" in str(w.message)]
     assert len(notes) == 1 and "prompt's end '<unk>'" in notes[0]
-    assert [len(ids) for ids in prepared["prompt_ids"]] == [1, 1, 1]
+    assert [len(row["prompt_ids"]) for row in tokenized] == [1, 1, 1]
 
 
 # ------------------------------------------------------------------------------------------ the model check

@@ -184,7 +184,7 @@ def test_stats_sft_wrong_columns_are_one_line(model_dir, tmp_path, capsys):
 @pytest.mark.parametrize("join", ["prompts", "always"])
 @pytest.mark.parametrize("rows", [_CHAT, _TEXT], ids=["prompt-completion", "text"])
 def test_stats_sft_counts_what_a_training_run_logs(tokenizer, tmp_path, rows, join):
-    """`stats` counts SFT data with the trainer itself (built on a stand-in model without weights): the rows it lays
+    """`stats` counts SFT data with the trainer itself (built on a tiny stand-in model): the rows it lays
     out are stock TRL's (tokens and trained labels), and the positions it counts are the `num_shared_tokens` a run of
     this package's `SFTTrainer` logs over the same micro-batches (consecutive rows, the same join rule)."""
     import trl

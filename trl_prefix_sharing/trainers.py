@@ -52,6 +52,8 @@ class TrainerSpec:
             Its line in the command line's usage.
         script_arguments (`str`):
             The `module:Class` of TRL's script arguments its command parses.
+        model_head (`str`):
+            The head of the model it trains: `"causal_lm"`, or `"sequence_classification"` (a reward model).
         loads_tokenizer (`bool`):
             Whether the command line loads the tokenizer and passes the quantization config in `model_init_kwargs`
             (trainers that take no `quantization_config` and load no tokenizer from a model name).
@@ -75,6 +77,7 @@ class TrainerSpec:
     columns: Columns
     summary: str
     script_arguments: str = "trl:ScriptArguments"
+    model_head: str = "causal_lm"
     loads_tokenizer: bool = False
     max_length: int | None = 1024
     num_generations: int | None = None
@@ -151,6 +154,7 @@ TRAINERS: dict[str, TrainerSpec] = {
                 "or a ranked list 'completions' (best first).",
             ),
             summary="reward-model training (TRL's `trl reward` arguments + the same), launched with accelerate",
+            model_head="sequence_classification",
         ),
         TrainerSpec(
             name="grpo",

@@ -1,5 +1,6 @@
 """Every private TRL (and transformers `Trainer`, accelerate) method, attribute and function this package overrides,
-reads or relies on, in one place, checked against the installed versions when a trainer module is imported.
+reads or relies on, in one place, checked against the installed versions when a trainer class is created
+(`trainers.guard_trainer_class`: each trainer's entry names the groups of `INTERNALS` it depends on).
 
 TRL's trainers have no hooks for a different batch layout, so the trainers here override a few of their methods and
 read a few of their attributes. A new TRL release may rename, re-sign or rewrite any of them; this module turns that
@@ -20,13 +21,12 @@ deep in a training step. What is checked, per `Internal`:
     `tests/test_kto_equivalence.py`;
   - GRPO and RLOO `_get_per_token_logps_and_entropies` (how it calls the model, which the shared-rows proxy answers):
     `test_crafted_batch_log_probs_and_gradients_match_stock`;
-  - DPO, reward and KTO `_prepare_dataset`, ORPO and CPO `tokenize_row` and `build_tokenized_answer`, online DPO
-    `_generate` (its prompts' rendering), whose tokenisation the `stats` command re-derives from TRL's public data
-    functions (it builds no trainer): `test_stats_dpo_preprocessing_is_trls`,
-    `test_stats_reward_preprocessing_is_trls`, `test_stats_kto_preprocessing_is_trls`,
-    `test_stats_paired_preprocessing_is_trls` and `test_stats_online_dpo_tokenizes_prompts_as_trl`. For SFT it
-    builds this package's `SFTTrainer` on a stand-in model without weights (`cli/prepared.py`): TRL's own
-    preparation and the trainer's own collator, nothing re-derived.
+  - KTO `_prepare_dataset`, ORPO and CPO `tokenize_row` and `build_tokenized_answer`, online DPO `_generate` (its
+    prompts' rendering), whose tokenisation the `stats` command re-derives from TRL's public data functions:
+    `test_stats_kto_preprocessing_is_trls`, `test_stats_paired_preprocessing_is_trls` and
+    `test_stats_online_dpo_tokenizes_prompts_as_trl`. For DPO, reward and SFT it builds this package's trainer on a
+    stand-in model without weights (`cli/prepared.py`): TRL's own preparation and the trainer's own collator,
+    nothing re-derived.
 
 No TRL method body is copied. An override calls TRL's own method (without prefix sharing always, with it wherever
 TRL's method has a seam); where it has none (online DPO `_forward`, ORPO and CPO `concatenated_forward`) the override
@@ -252,8 +252,6 @@ INTERNALS: dict[str, tuple[Internal, ...]] = {
     # from TRL's public data functions for the trainers it builds no trainer of
     "cli": (Internal("trl.cli.commands.training", "_subtract_subsequence", "call"),),
     "stats": (
-        Internal(_DPO, "_prepare_dataset", "mirror", fingerprint="733c5737c4949f4e"),
-        Internal(_REWARD, "_prepare_dataset", "mirror", fingerprint="c4f390d195808b86"),
         Internal(_KTO, "_prepare_dataset", "mirror", fingerprint="3060b0628a679f7c"),
         Internal(_ORPO, "tokenize_row", "mirror", fingerprint="134bcedf932ae3df"),
         Internal(_ORPO, "build_tokenized_answer", "mirror", fingerprint="993f7fe9bd05a250"),

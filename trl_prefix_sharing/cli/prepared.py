@@ -2,16 +2,14 @@
 
 `stats` reads a dataset as training reads it. This package's own trainer, built with the options given, prepares the
 dataset (TRL's preparation runs in TRL's `__init__`) and holds the collator that lays out each micro-batch in training.
-The model is a stand-in on PyTorch's meta device (shapes, no weights) with the tokenizer's vocabulary: preparing and
-laying out data reads the tokenizer and the config, never a model's weights, so the user's model is only checked, on
-its own (`stats.check_model`). The trainer leaves the model where it is, through transformers' documented override of
-`TrainingArguments.place_model_on_device`: a model on the meta device has no weights to move.
+The model is a stand-in: one layer eight wide with the tokenizer's vocabulary, built in milliseconds. Preparing and
+laying out data read the tokenizer and the config, never a model's weights, so the user's model is only checked, on
+its own (`stats.check_model`), and never loaded.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
+import inspect
 import tempfile
 import warnings
 
@@ -21,18 +19,10 @@ from ..trainers import TRAINERS
 __all__ = ["prepared_trainer", "stand_in_model"]
 
 
-@functools.cache
-def _unplaced(config_class: type) -> type:
-    """`config_class`, whose trainer leaves the model where it is."""
-    namespace = {"place_model_on_device": property(lambda self: False), "__module__": __name__}
-    return dataclasses.dataclass(type(config_class.__name__, (config_class,), namespace))
-
-
-def stand_in_model(tokenizer):
-    """A one-layer Llama with the tokenizer's vocabulary, on the meta device: built in milliseconds, holding no
-    memory."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def stand_in_model(tokenizer, head: str = "causal_lm"):
+    """A one-layer Llama, eight wide, with the tokenizer's vocabulary and the `head` a trainer trains
+    (`TrainerSpec.model_head`)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig
 
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -42,25 +32,28 @@ def stand_in_model(tokenizer):
         num_attention_heads=1,
         num_key_value_heads=1,
         pad_token_id=tokenizer.pad_token_id,
+        num_labels=1,
     )
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+    auto = AutoModelForSequenceClassification if head == "sequence_classification" else AutoModelForCausalLM
+    return auto.from_config(config)
 
 
 def prepared_trainer(name: str, dataset, tokenizer, **options):
     """This package's trainer `name` (an entry of the table of trainers) with `prefix_sharing=True` and `options`
-    (config fields), built on `stand_in_model` with `dataset` to train on: its `train_dataset` is the dataset as TRL
-    prepares it for training, and its `data_collator` (DPO, reward, SFT) lays out micro-batches as training does."""
+    (config fields), built on `stand_in_model` (a reference model too, for a trainer that takes one) with `dataset` to
+    train on: its `train_dataset` is the dataset as TRL prepares it for training, and its `data_collator` (DPO,
+    reward, SFT) lays out micro-batches as training does."""
     import trl_prefix_sharing
 
     spec = TRAINERS[name]
-    config_class = _unplaced(getattr(trl_prefix_sharing, spec.config_class))
+    config_class = getattr(trl_prefix_sharing, spec.config_class)
+    trainer_class = getattr(trl_prefix_sharing, spec.trainer_class)
+    models = {"model": stand_in_model(tokenizer, spec.model_head)}
+    if "ref_model" in inspect.signature(trainer_class.__init__).parameters:  # else TRL loads one from the model's path
+        models["ref_model"] = stand_in_model(tokenizer, spec.model_head)
     with tempfile.TemporaryDirectory() as output_dir, warnings.catch_warnings():
         # nothing is written to `output_dir` (no training, no checkpoint); the config's deprecation notices (TRL's
         # defaults set transformers' deprecated `gradient_checkpointing`) concern training, not this count
         warnings.simplefilter("ignore", FutureWarning)
         args = config_class(output_dir=output_dir, report_to=[], use_cpu=True, prefix_sharing=True, **options)
-        trainer_class = getattr(trl_prefix_sharing, spec.trainer_class)
-        return trainer_class(
-            model=stand_in_model(tokenizer), args=args, train_dataset=dataset, processing_class=tokenizer
-        )
+        return trainer_class(**models, args=args, train_dataset=dataset, processing_class=tokenizer)

@@ -27,7 +27,7 @@ its first micro-batch and runs stock's own rows, and the line says so. The verdi
   (by default: when a batch's prompt tokens exceed twice its KL completion tokens), so a training step is reported too.
 
 SFT data (`--trainer sft`: `text`, `messages`, or `prompt` + `completion`, text or conversational): prepared by the
-SFT trainer itself, built on a stand-in model without weights (`cli/prepared.py`), so TRL's own preparation runs (EOS
+SFT trainer itself, built on a tiny stand-in model (`cli/prepared.py`), so TRL's own preparation runs (EOS
 added to text, the prompt masked for prompt-completion data as TRL's default `completion_only_loss` does, truncated to
 `--max_length` by `--truncation_mode`). Each example is one row; its prompt
 is its tokens before its first trained label. SFT's sampler is random, so the micro-batches counted are
@@ -659,9 +659,8 @@ def _check_columns(dataset, args) -> None:
 
 # --------------------------------------------------------------------------------------------------- preference data
 #
-# The preprocessing of TRL 1.16's preference trainers, done here with TRL's public data functions and the tokenizer
-# (no trainer, no model): `tests/test_stats_cli.py` compares the columns with what `DPOTrainer` and `RewardTrainer`
-# produce on the same data.
+# DPO and reward data are prepared and collated by the trainer itself (`_prepared_preferences`); the tokenization
+# below is KTO's (its prompt and completion tokenized together, as TRL's KTO trainer does).
 
 
 def _chat_template_kwargs(example: dict) -> dict:
@@ -685,15 +684,6 @@ def _token_ids(tokenizer, content, **template_kwargs) -> list[int]:
 def _common_length(ids: list[int], other: list[int]) -> int:
     """How many leading tokens `ids` and `other` have in common."""
     return len(os.path.commonprefix([ids, other]))
-
-
-def _with_eos(example: dict, eos_token: str) -> dict:
-    """A text completion ends with the EOS token, so that the model learns to stop: added where it is missing."""
-
-    def ended(text: str) -> str:
-        return text if text.endswith(eos_token) else text + eos_token
-
-    return {"chosen": ended(example["chosen"]), "rejected": ended(example["rejected"])}
 
 
 #: whether `_note_prompt_end_moved` has warned (once per process)
@@ -742,78 +732,6 @@ def _tokenize_pair(example: dict, tokenizer, keys: tuple[str, ...] = ("chosen", 
     }
 
 
-def _tokenize_scored(example: dict, tokenizer) -> dict:
-    """The reward trainer's columns of one example: each completion tokenized as one sequence with the prompt, if
-    the example has one (conversational: rendered by the chat template, no generation prompt)."""
-    from trl.data_utils import is_conversational
-
-    prompt = example.get("prompt")
-    sequences = {key: example[key] if prompt is None else prompt + example[key] for key in ("chosen", "rejected")}
-    if is_conversational({**example, **sequences}):
-        kwargs = _chat_template_kwargs(example)
-        return {f"{key}_ids": _token_ids(tokenizer, ids, **kwargs) for key, ids in sequences.items()}
-    return {f"{key}_ids": _token_ids(tokenizer, text) for key, text in sequences.items()}
-
-
-def dpo_dataset(dataset, tokenizer, max_length: int | None, truncation_mode: str):
-    """`dataset` as TRL's `DPOTrainer` prepares it: `prompt_ids`, `chosen_ids` and `rejected_ids` per example.
-
-    Without a `prompt` column, the prompt is the start that `chosen` and `rejected` share (`trl.extract_prompt`).
-    Text completions (the first example tells) end with the EOS token. With `max_length` and `keep_start`
-    truncation, the examples whose prompt alone fills `max_length` are dropped: truncation would leave them no
-    completion token. The truncation itself is the collator's."""
-    from trl.data_utils import extract_prompt, is_conversational
-
-    if "prompt" not in dataset.column_names:
-        dataset = dataset.map(extract_prompt, desc="Extracting prompt from train dataset")
-    if not is_conversational(dataset[0]):
-        eos = {"eos_token": tokenizer.eos_token}
-        dataset = dataset.map(_with_eos, fn_kwargs=eos, desc="Adding EOS to train dataset")
-    dataset = dataset.map(_tokenize_pair, fn_kwargs={"tokenizer": tokenizer}, desc="Tokenizing train dataset")
-    if max_length is not None and truncation_mode == "keep_start":
-        dataset = dataset.filter(
-            lambda prompt_ids: len(prompt_ids) < max_length,
-            input_columns="prompt_ids",
-            desc="Dropping fully truncated examples from train dataset",
-        )
-    return dataset
-
-
-def reward_dataset(dataset, tokenizer, max_length: int | None):
-    """`dataset` as this package's `RewardTrainer` prepares it: TRL's `chosen_ids` and `rejected_ids` per pair (text
-    completions ending with the EOS token, the first example tells), or `completion_ids` per ranked example
-    (`trl_prefix_sharing.ranked.tokenize_ranked`). Columns already tokenized are kept (TRL's older names
-    `chosen_input_ids`, `rejected_input_ids` renamed). With `max_length`, the examples with a longer sequence are
-    dropped, whole."""
-    from trl.data_utils import is_conversational
-
-    from ..ranked import is_ranked_dataset, tokenize_ranked
-
-    columns = set(dataset.column_names)
-    if is_ranked_dataset(columns):
-        if "completion_ids" not in columns:
-            kwargs = {"processing_class": tokenizer}
-            dataset = dataset.map(tokenize_ranked, fn_kwargs=kwargs, desc="Tokenizing ranked train dataset")
-        fits = lambda completion_ids: all(len(ids) <= max_length for ids in completion_ids)  # noqa: E731
-        id_columns = ["completion_ids"]
-    else:
-        if not {"chosen_ids", "rejected_ids"} <= columns:
-            if {"chosen_input_ids", "rejected_input_ids"} <= columns:
-                renamed = {"chosen_input_ids": "chosen_ids", "rejected_input_ids": "rejected_ids"}
-                dataset = dataset.rename_columns(renamed)
-            else:
-                if not is_conversational(dataset[0]):
-                    eos = {"eos_token": tokenizer.eos_token}
-                    dataset = dataset.map(_with_eos, fn_kwargs=eos, desc="Adding EOS to train dataset")
-                kwargs = {"tokenizer": tokenizer}
-                dataset = dataset.map(_tokenize_scored, fn_kwargs=kwargs, desc="Tokenizing train dataset")
-        fits = lambda chosen, rejected: len(chosen) <= max_length and len(rejected) <= max_length  # noqa: E731
-        id_columns = ["chosen_ids", "rejected_ids"]
-    if max_length is not None:
-        dataset = dataset.filter(fits, input_columns=id_columns, desc=f"Filtering train >{max_length} tokens")
-    return dataset
-
-
 def _preprocess(trainer: str, prepare, dataset, tokenizer, *limits):
     """`prepare(dataset, tokenizer, *limits)`, the preprocessing of TRL's `trainer`; a dataset it cannot take (a
     column it lacks, a message or text the chat template or tokenizer refuses) is one error line."""
@@ -844,30 +762,22 @@ def _quiet_preprocessing(dataset):
 
 
 def _prepared_preferences(dataset, tokenizer, args):
-    """The dataset as `--trainer` (dpo or reward) prepares it, and TRL's collator of its examples (before prefix
-    sharing)."""
-    max_length = args.max_length or None
+    """The dataset as `--trainer` (dpo or reward) prepares it, and the trainer's collator of its examples before
+    prefix sharing (TRL's, or the ranked collator): the trainer itself, built on a tiny stand-in model
+    (`prepared.prepared_trainer`)."""
+    from .prepared import prepared_trainer
+
+    options = {"max_length": args.max_length or None}
+    if args.trainer == "dpo":
+        options["truncation_mode"] = args.truncation_mode
     with _quiet_preprocessing(dataset):
-        if args.trainer == "dpo":
-            from trl.trainer.dpo_trainer import DataCollatorForPreference
-
-            dataset = _preprocess("DPOTrainer", dpo_dataset, dataset, tokenizer, max_length, args.truncation_mode)
-            base = DataCollatorForPreference(
-                pad_token_id=tokenizer.pad_token_id, max_length=max_length, truncation_mode=args.truncation_mode
-            )
-        else:
-            from trl.trainer.reward_trainer import DataCollatorForPreference
-
-            from ..ranked import RankedCollator, is_ranked_dataset
-
-            ranked = is_ranked_dataset(dataset.column_names)
-            dataset = _preprocess("RewardTrainer", reward_dataset, dataset, tokenizer, max_length)
-            base = (
-                RankedCollator(tokenizer.pad_token_id)
-                if ranked
-                else DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)
-            )
-    return dataset, base
+        trainer = _preprocess(
+            TRAINER_CLASSES[args.trainer],
+            lambda data, tokens: prepared_trainer(args.trainer, data, tokens, **options),
+            dataset,
+            tokenizer,
+        )
+    return trainer.train_dataset, trainer.data_collator.base_collator
 
 
 # --------------------------------------------------------------------------------------------------- KTO, ORPO, CPO
@@ -1340,13 +1250,13 @@ def preference_report(dataset, tokenizer, args) -> None:
 
 # --------------------------------------------------------------------------------------------------- SFT
 #
-# This package's SFT trainer, built on a stand-in model without weights (`prepared.prepared_trainer`): TRL's own SFT
+# This package's SFT trainer, built on a tiny stand-in model (`prepared.prepared_trainer`): TRL's own SFT
 # preparation, and the trainer's own collator (TRL's, wrapped in `PrefixSharingCollator` with the SFT trainer's
 # examples and prompts), so the counts are what training lays out (`test_stats_sft_counts_what_a_training_run_logs`).
 
 
 def sft_trainer(dataset, tokenizer, max_length: int | None, truncation_mode: str, join: str = SFT_JOIN):
-    """This package's `SFTTrainer` built on a stand-in model without weights (`prepared.prepared_trainer`): its
+    """This package's `SFTTrainer` built on a tiny stand-in model (`prepared.prepared_trainer`): its
     `train_dataset` is `dataset` as TRL prepares it (`input_ids` and `labels` per example, -100 on the tokens it does
     not train on: `text` tokenized as it is, `messages` through the chat template, `prompt` + `completion` with the
     prompt masked by TRL's default `completion_only_loss`; EOS added to text; truncated to `max_length` by
