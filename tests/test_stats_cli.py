@@ -489,11 +489,11 @@ def test_stats_reward_prepares_as_the_trainer(tokenizer, tmp_path, name, max_len
         assert len(prepared.train_dataset) < len(dataset)  # the limit dropped some examples, not all
 
 
-@pytest.mark.parametrize("kind", ["dpo", "reward"])
+@pytest.mark.parametrize("kind", ["dpo", "reward", "orpo", "cpo"])
 def test_stats_counts_what_a_training_run_logs(workspace, tokenizer, tmp_path, capsys, kind):
-    """The positions per example `stats` prints for DPO and reward data are the `num_shared_tokens` a run of this
-    package's trainer logs over the same examples (one epoch, every prompt distinct, so that micro-batches share
-    nothing across examples), divided by the examples."""
+    """The positions per example `stats` prints for DPO, reward, ORPO and CPO data are the `num_shared_tokens` a run
+    of this package's trainer logs over the same examples (one epoch, every prompt distinct, so that micro-batches
+    share nothing across examples), divided by the examples."""
     import datasets
 
     import trl_prefix_sharing

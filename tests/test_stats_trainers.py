@@ -199,15 +199,16 @@ def tiny_model(tokenizer):
 @pytest.mark.parametrize("name", list(_PAIRED))
 @pytest.mark.parametrize("kind", ["orpo", "cpo"])
 def test_stats_paired_preprocessing_is_trls(tokenizer, tiny_model, tmp_path, kind, name, max_length):
-    """`stats`' ORPO/CPO columns and concatenated rows equal those of TRL's experimental trainers (BOS and EOS added,
-    the completions cut to fit `max_length`, never the prompt; `max_length=None` is TRL's 512)."""
+    """`stats` prepares ORPO/CPO data with this package's trainer itself, on a tiny stand-in model: its columns, and
+    the rows `stats` lays out of them, equal those of TRL's experimental trainers (BOS and EOS added, the completions
+    cut to fit `max_length`, never the prompt; `max_length=None` is TRL's 512)."""
     import datasets
 
     from trl_prefix_sharing.cli.stats import ORPO_DEFAULT_LENGTH, paired_dataset
 
     dataset = datasets.Dataset.from_list(_PAIRED[name])
     trainer = _trl_paired(kind, dataset, tokenizer, tmp_path, max_length, copy.deepcopy(tiny_model))
-    ours = paired_dataset(dataset, tokenizer, max_length or ORPO_DEFAULT_LENGTH)
+    ours = paired_dataset(dataset, tokenizer, kind, max_length or ORPO_DEFAULT_LENGTH)
     assert_paired_is_trls(ours, trainer)
     if name == "plain":  # the awkward cases are there
         prompts = [labels.count(-100) for labels in ours["chosen_labels"]]
@@ -219,28 +220,17 @@ def test_stats_paired_preprocessing_is_trls(tokenizer, tiny_model, tmp_path, kin
 
 
 def test_a_wrong_paired_count_fails_the_comparison(tokenizer, tiny_model, tmp_path, monkeypatch):
-    """The comparison can fail: without the one-token step back where the prompt's last token merges (TRL's
-    `build_tokenized_answer`), or with the prompt cut instead of the completion, the rows differ from TRL's."""
+    """The comparison can fail: with the prompt cut instead of the completion, or a row of each micro-batch lost,
+    the rows differ from TRL's."""
     import datasets
 
     from trl_prefix_sharing.cli import stats
 
     dataset = datasets.Dataset.from_list(_PAIRS)
     trainer = _trl_paired("orpo", dataset, tokenizer, tmp_path, 7, copy.deepcopy(tiny_model))
-    assert_paired_is_trls(stats.paired_dataset(dataset, tokenizer, 7), trainer)
-    answer = stats._answer_tokens
-
-    def no_step_back(tokenizer, prompt, text):
-        tokens = answer(tokenizer, prompt, text)
-        full = tokens["prompt_input_ids"] + tokens["input_ids"]
-        start = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        return {**tokens, "prompt_input_ids": full[:start], "input_ids": full[start:]}
-
-    monkeypatch.setattr(stats, "_answer_tokens", no_step_back)
-    with pytest.raises(AssertionError):
-        assert_paired_is_trls(stats.paired_dataset(dataset, tokenizer, 7), trainer)
-    monkeypatch.undo()
-    cut_prompt = stats.paired_dataset(dataset, tokenizer, 7).map(
+    ours = stats.paired_dataset(dataset, tokenizer, "orpo", 7)
+    assert_paired_is_trls(ours, trainer)
+    cut_prompt = ours.map(
         lambda ex: {
             "chosen_input_ids": ex["chosen_input_ids"][-7:],
             "rejected_input_ids": ex["rejected_input_ids"][-7:],
@@ -248,6 +238,10 @@ def test_a_wrong_paired_count_fails_the_comparison(tokenizer, tiny_model, tmp_pa
     )
     with pytest.raises(AssertionError):
         assert_paired_is_trls(cut_prompt, trainer)
+    rows = stats.paired_rows
+    monkeypatch.setattr(stats, "paired_rows", lambda batch: rows(batch[:-1]))
+    with pytest.raises(AssertionError):
+        assert_paired_is_trls(ours, trainer)
 
 
 # ------------------------------------------------------------------------------------------ reports, hand counts

@@ -21,12 +21,11 @@ deep in a training step. What is checked, per `Internal`:
     `tests/test_kto_equivalence.py`;
   - GRPO and RLOO `_get_per_token_logps_and_entropies` (how it calls the model, which the shared-rows proxy answers):
     `test_crafted_batch_log_probs_and_gradients_match_stock`;
-  - KTO `_prepare_dataset`, ORPO and CPO `tokenize_row` and `build_tokenized_answer`, online DPO `_generate` (its
-    prompts' rendering), whose tokenisation the `stats` command re-derives from TRL's public data functions:
-    `test_stats_kto_preprocessing_is_trls`, `test_stats_paired_preprocessing_is_trls` and
-    `test_stats_online_dpo_tokenizes_prompts_as_trl`. For DPO, reward and SFT it builds this package's trainer on a
-    stand-in model without weights (`cli/prepared.py`): TRL's own preparation and the trainer's own collator,
-    nothing re-derived.
+  - KTO `_prepare_dataset` and online DPO `_generate` (its prompts' rendering), whose tokenisation the `stats`
+    command re-derives from TRL's public data functions: `test_stats_kto_preprocessing_is_trls` and
+    `test_stats_online_dpo_tokenizes_prompts_as_trl`. For DPO, reward, ORPO, CPO and SFT it builds this package's
+    trainer on a tiny stand-in model (`cli/prepared.py`): TRL's own preparation (and, for DPO, reward and SFT, the
+    trainer's own collator), nothing re-derived.
 
 No TRL method body is copied. An override calls TRL's own method (without prefix sharing always, with it wherever
 TRL's method has a seam); where it has none (online DPO `_forward`, ORPO and CPO `concatenated_forward`) the override
@@ -253,10 +252,6 @@ INTERNALS: dict[str, tuple[Internal, ...]] = {
     "cli": (Internal("trl.cli.commands.training", "_subtract_subsequence", "call"),),
     "stats": (
         Internal(_KTO, "_prepare_dataset", "mirror", fingerprint="3060b0628a679f7c"),
-        Internal(_ORPO, "tokenize_row", "mirror", fingerprint="134bcedf932ae3df"),
-        Internal(_ORPO, "build_tokenized_answer", "mirror", fingerprint="993f7fe9bd05a250"),
-        Internal(_CPO, "tokenize_row", "mirror", fingerprint="cbff85d3b3779515"),
-        Internal(_CPO, "build_tokenized_answer", "mirror", fingerprint="993f7fe9bd05a250"),
         Internal(_ONLINE_DPO, "_generate", "mirror", fingerprint="444dab2a5d9401b8"),  # how it renders prompts
     ),
 }

@@ -826,68 +826,17 @@ def kto_dataset(dataset, tokenizer, max_length: int | None, batch_size: int):
     return dataset.map(_with_kl_completions, batched=True, batch_size=batch_size, desc="Extracting KL train dataset")
 
 
-def _answer_tokens(tokenizer, prompt: str, answer: str) -> dict:
-    """TRL's `build_tokenized_answer`: `prompt + answer` tokenized (no special tokens), split where the tokenized
-    prompt alone stops matching it (one token earlier when the prompt's last token merged with the answer)."""
-    full = tokenizer(prompt + answer, add_special_tokens=False)["input_ids"]
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    if len(full) < len(prompt_ids):
-        raise ValueError("Prompt input ids and answer input ids should have the same length.")
-    start = len(prompt_ids) - (prompt_ids != full[: len(prompt_ids)])
-    return {
-        "prompt_input_ids": full[:start],
-        "prompt_attention_mask": [1] * start,
-        "input_ids": full[start:],
-        "attention_mask": [1] * (len(full) - start),
-    }
-
-
-def _tokenize_paired(example: dict, tokenizer, max_length: int) -> dict:
-    """TRL's ORPO/CPO `tokenize_row` of a decoder-only model: `prompt_input_ids`, and per completion its row
-    `{key}_input_ids` (prompt + completion) and `{key}_labels` (-100 over the prompt). BOS heads the prompt and EOS
-    ends each completion where missing; a row longer than `max_length` loses the end of its completion, never the
-    prompt."""
-    from trl.experimental.utils import add_bos_token_if_needed, add_eos_token_if_needed
-
-    prompt = example["prompt"]
-    for key in ("prompt", "chosen", "rejected"):
-        if not isinstance(example[key], str):
-            raise ValueError(f"{key} should be an str but got {type(example[key])}")
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    chosen, rejected = (_answer_tokens(tokenizer, prompt, example[key]) for key in ("chosen", "rejected"))
-    lengths = [len(tokens["prompt_input_ids"]) for tokens in (chosen, rejected)]
-    prompt_ids = prompt_ids[: min(lengths)]
-    differing = sum(a != b for a, b in zip(chosen["prompt_input_ids"], rejected["prompt_input_ids"], strict=False))
-    if differing > 1 or abs(lengths[0] - lengths[1]) > 1:
-        raise ValueError(
-            "Chosen and rejected prompt_input_ids might only differ on the last token due to tokenizer merge ops."
-        )
-    prompt_tokens = {"prompt_input_ids": prompt_ids, "prompt_attention_mask": [1] * len(prompt_ids)}
-    prompt_tokens, chosen, rejected = add_bos_token_if_needed(
-        tokenizer.bos_token_id, len(prompt_ids), prompt_tokens, lengths[0], chosen, lengths[1], rejected
-    )
-    chosen, rejected = add_eos_token_if_needed(tokenizer.eos_token_id, chosen, rejected)
-    columns = {"prompt_input_ids": prompt_tokens["prompt_input_ids"]}
-    for key, tokens in (("chosen", chosen), ("rejected", rejected)):
-        head, answer = tokens["prompt_input_ids"], tokens["input_ids"]
-        if len(head) + len(answer) > max_length:
-            answer = answer[: max(0, max_length - len(head))]
-        columns[f"{key}_input_ids"] = head + answer
-        columns[f"{key}_labels"] = [-100] * len(head) + answer
-    return columns
-
-
-def paired_dataset(dataset, tokenizer, max_length: int):
-    """`dataset` as TRL's experimental `ORPOTrainer` and `CPOTrainer` prepare it (`maybe_extract_prompt`,
-    `maybe_apply_chat_template`, then `tokenize_row`): `prompt_input_ids`, `chosen_input_ids`, `chosen_labels`,
+def paired_dataset(dataset, tokenizer, trainer: str, max_length: int):
+    """`dataset` as the ORPO or CPO trainer (`trainer`) prepares it: TRL's `maybe_extract_prompt`,
+    `maybe_apply_chat_template` and `tokenize_row` (BOS heading the prompt, EOS ending each completion, a row longer
+    than `max_length` losing the end of its completion, never the prompt), run by the trainer itself, built on a tiny
+    stand-in model (`prepared.prepared_trainer`): `prompt_input_ids`, `chosen_input_ids`, `chosen_labels`,
     `rejected_input_ids` and `rejected_labels` per example. Nothing is dropped."""
-    from trl.data_utils import maybe_apply_chat_template, maybe_extract_prompt
+    from .prepared import prepared_trainer
 
-    dataset = dataset.map(maybe_extract_prompt, desc="Extracting prompt from train dataset")
-    kwargs = {"processing_class": tokenizer}
-    dataset = dataset.map(maybe_apply_chat_template, fn_kwargs=kwargs, desc="Applying chat template to train dataset")
-    kwargs = {"tokenizer": tokenizer, "max_length": max_length}
-    return dataset.map(_tokenize_paired, fn_kwargs=kwargs, desc="Tokenizing train dataset")
+    # `remove_unused_columns=False`: what TRL's collator for these trainers needs (it sets it itself, with a warning)
+    options = {"max_length": max_length, "remove_unused_columns": False}
+    return prepared_trainer(trainer, dataset, tokenizer, **options).train_dataset
 
 
 def kto_rows(batch: list[dict], max_length: int | None) -> tuple[list[list[int]], list[list[int]], list[int]]:
@@ -1240,7 +1189,9 @@ def preference_report(dataset, tokenizer, args) -> None:
         counts = _measure_kto(dataset, pad, args) if len(dataset) else _PreferenceCounts()
     else:
         with _quiet_preprocessing(dataset):
-            dataset = _preprocess(TRAINER_CLASSES[args.trainer], paired_dataset, dataset, tokenizer, args.max_length)
+            dataset = _preprocess(
+                TRAINER_CLASSES[args.trainer], paired_dataset, dataset, tokenizer, args.trainer, args.max_length
+            )
         counts = _measure_paired(dataset, pad, batch_size, args.prefix_sharing_score_padding)
     if not counts.shared_lens:
         limit = f"longer than --max_length {max_length}" if max_length else "empty after tokenization"
