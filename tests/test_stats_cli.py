@@ -277,7 +277,7 @@ def test_stats_console_script_errors_are_one_clean_line(workspace, args, message
         (["--dataset_name", "prefs.jsonl", "--prefix_sharing_score_padding", "false"], "--trainer orpo or cpo only"),
         (["--dataset_name", "prefs.jsonl", "--trainer", "cpo", "--prefix_sharing_merge_kl", "true"], "kto only"),
         (["--dataset_name", "prefs.jsonl", "--trainer", "kto", "--max_new_tokens", "9"], "pass --trainer online_dpo"),
-        (["--dataset_name", "prefs.jsonl", "--trainer", "kto", "--max_length", "3"], "no examples left"),
+        (["--dataset_name", "prefs.jsonl", "--trainer", "kto", "--max_length", "3"], "preprocessing left none"),
         (["--dataset_name", "prompts.jsonl", "--trainer", "online_dpo", "--max_length", "0"], "is a number of tokens"),
     ],
 )
@@ -534,22 +534,6 @@ def test_stats_counts_what_a_training_run_logs(workspace, tokenizer, tmp_path, c
     assert printed == pytest.approx(logged[-1] / len(rows), abs=0.05)  # printed to one decimal
     stock_per_example = float(line.split("stock ")[1].split(",")[0])
     assert abs(stock_per_example - logged[-1] / len(rows)) > 0.05  # the comparison can fail: stock's count differs
-
-
-def test_stats_warns_once_of_a_prompt_end_counted_as_completion(tokenizer, monkeypatch):
-    """A prompt ending inside a word (`w1 w` + `2 w3`): its last token is not where prompt + completion continue;
-    counted as completion, as TRL does, with one warning naming it (the tokenization `stats` re-derives for KTO)."""
-    import warnings
-
-    from trl_prefix_sharing.cli import stats
-
-    monkeypatch.setattr(stats, "_prompt_end_noted", [])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        tokenized = [stats._tokenize_pair(row, tokenizer) for row in (_PLAIN[3], _PLAIN[3], _PLAIN[0])]
-    notes = [str(w.message) for w in caught if "is counted as completion" in str(w.message)]
-    assert len(notes) == 1 and "prompt's end '<unk>'" in notes[0]
-    assert [len(row["prompt_ids"]) for row in tokenized] == [1, 1, 1]
 
 
 # ------------------------------------------------------------------------------------------ the model check

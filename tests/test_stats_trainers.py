@@ -1,7 +1,8 @@
-"""`trl-prefix-sharing stats` for KTO, ORPO, CPO and online DPO: the preprocessing it re-derives equals what TRL's own
-trainers produce (columns, and the rows their collators build), on awkward data (a one-token prompt, an empty
+"""`trl-prefix-sharing stats` for KTO, ORPO, CPO and online DPO: the data it counts (prepared by the trainers
+themselves, on a tiny stand-in model; online DPO's prompts re-derived) and the rows it lays out of it equal what TRL's
+own trainers produce (columns, and the rows their collators build), on awkward data (a one-token prompt, an empty
 completion, one that already ends with EOS, a prompt ending inside a word, implicit prompts, conversations, tools,
-truncation); the positions it reports match hand counts; and a deliberately wrong tokenization fails the comparison."""
+truncation); the positions it reports match hand counts; and a deliberately wrong row fails the comparison."""
 
 import copy
 import json
@@ -53,14 +54,16 @@ def _columns(dataset, names):
 
 
 def _trl_kto(dataset, tokenizer, config):
-    """TRL's own KTO preprocessing (`_prepare_dataset`, on an instance built without a model)."""
+    """The train dataset TRL's own `KTOTrainer` prepares (a real trainer on a tiny model, with its reference)."""
     import trl
 
-    trainer = object.__new__(trl.KTOTrainer)
-    trainer._tokenizer = tokenizer
-    trainer.calculate_KL = True  # TRL's default loss, "kto"
-    trainer.desirable_weight = trainer.undesirable_weight = 1.0
-    return trainer._prepare_dataset(dataset, tokenizer, config, "train")
+    from trl_prefix_sharing.testing import make_model
+
+    models = {"model": make_model("llama", len(tokenizer)), "ref_model": make_model("llama", len(tokenizer))}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = trl.KTOTrainer(**models, args=config, train_dataset=dataset, processing_class=tokenizer)
+    return trainer.train_dataset
 
 
 def assert_kto_is_trls(ours, expected, tokenizer, max_length, batch_size):
@@ -129,16 +132,13 @@ def test_a_wrong_kto_count_fails_the_comparison(tokenizer, tmp_path, monkeypatch
     dataset = datasets.Dataset.from_list(_KTO["unpaired"])
     config = _config(trl.KTOConfig, tmp_path, max_length=7, per_device_train_batch_size=3)
     expected = _trl_kto(dataset, tokenizer, config)
-    with monkeypatch.context() as patch:
-        patch.setattr(
-            stats,
-            "_with_kl_completions",
-            lambda b: {"KL_completion_ids": b["completion_ids"][1:] + b["completion_ids"][:1]},
-        )
-        with pytest.raises(AssertionError):
-            assert_kto_is_trls(stats.kto_dataset(dataset, tokenizer, 7, 3), expected, tokenizer, 7, 3)
     ours = stats.kto_dataset(dataset, tokenizer, 7, 3)
     assert_kto_is_trls(ours, expected, tokenizer, 7, 3)
+    other_way = ours.map(
+        lambda b: {"KL_completion_ids": b["completion_ids"][1:] + b["completion_ids"][:1]}, batched=True, batch_size=3
+    )
+    with pytest.raises(AssertionError):
+        assert_kto_is_trls(other_way, expected, tokenizer, 7, 3)
     rows = stats.kto_rows
     monkeypatch.setattr(stats, "kto_rows", lambda batch, max_length: rows(batch, max_length - 1))  # one short
     with pytest.raises(AssertionError):

@@ -21,11 +21,10 @@ deep in a training step. What is checked, per `Internal`:
     `tests/test_kto_equivalence.py`;
   - GRPO and RLOO `_get_per_token_logps_and_entropies` (how it calls the model, which the shared-rows proxy answers):
     `test_crafted_batch_log_probs_and_gradients_match_stock`;
-  - KTO `_prepare_dataset` and online DPO `_generate` (its prompts' rendering), whose tokenisation the `stats`
-    command re-derives from TRL's public data functions: `test_stats_kto_preprocessing_is_trls` and
-    `test_stats_online_dpo_tokenizes_prompts_as_trl`. For DPO, reward, ORPO, CPO and SFT it builds this package's
-    trainer on a tiny stand-in model (`cli/prepared.py`): TRL's own preparation (and, for DPO, reward and SFT, the
-    trainer's own collator), nothing re-derived.
+  - online DPO `_generate` (its prompts' rendering), whose tokenisation the `stats` command re-derives from TRL's
+    public data functions: `test_stats_online_dpo_tokenizes_prompts_as_trl`. For DPO, reward, KTO, ORPO, CPO and SFT
+    it builds this package's trainer on a tiny stand-in model (`cli/prepared.py`): TRL's own preparation (and, for
+    DPO, reward and SFT, the trainer's own collator), nothing re-derived.
 
 No TRL method body is copied. An override calls TRL's own method (without prefix sharing always, with it wherever
 TRL's method has a seam); where it has none (online DPO `_forward`, ORPO and CPO `concatenated_forward`) the override
@@ -251,7 +250,6 @@ INTERNALS: dict[str, tuple[Internal, ...]] = {
     # from TRL's public data functions for the trainers it builds no trainer of
     "cli": (Internal("trl.cli.commands.training", "_subtract_subsequence", "call"),),
     "stats": (
-        Internal(_KTO, "_prepare_dataset", "mirror", fingerprint="3060b0628a679f7c"),
         Internal(_ONLINE_DPO, "_generate", "mirror", fingerprint="444dab2a5d9401b8"),  # how it renders prompts
     ),
 }

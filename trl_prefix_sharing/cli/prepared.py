@@ -43,17 +43,21 @@ def prepared_trainer(name: str, dataset, tokenizer, **options):
     (config fields), built on `stand_in_model` (a reference model too, for a trainer that takes one) with `dataset` to
     train on: its `train_dataset` is the dataset as TRL prepares it for training, and its `data_collator` (DPO,
     reward, SFT) lays out micro-batches as training does."""
+    from trl.import_utils import TRLExperimentalWarning
+
     import trl_prefix_sharing
 
     spec = TRAINERS[name]
-    config_class = getattr(trl_prefix_sharing, spec.config_class)
-    trainer_class = getattr(trl_prefix_sharing, spec.trainer_class)
-    models = {"model": stand_in_model(tokenizer, spec.model_head)}
-    if "ref_model" in inspect.signature(trainer_class.__init__).parameters:  # else TRL loads one from the model's path
-        models["ref_model"] = stand_in_model(tokenizer, spec.model_head)
     with tempfile.TemporaryDirectory() as output_dir, warnings.catch_warnings():
         # nothing is written to `output_dir` (no training, no checkpoint); the config's deprecation notices (TRL's
-        # defaults set transformers' deprecated `gradient_checkpointing`) concern training, not this count
+        # defaults set transformers' deprecated `gradient_checkpointing`) and TRL's notice on the experimental modules
+        # its trainers import concern training, not this count
         warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", TRLExperimentalWarning)
+        config_class = getattr(trl_prefix_sharing, spec.config_class)
+        trainer_class = getattr(trl_prefix_sharing, spec.trainer_class)
+        models = {"model": stand_in_model(tokenizer, spec.model_head)}
+        if "ref_model" in inspect.signature(trainer_class.__init__).parameters:  # else TRL loads one from a path
+            models["ref_model"] = stand_in_model(tokenizer, spec.model_head)
         args = config_class(output_dir=output_dir, report_to=[], use_cpu=True, prefix_sharing=True, **options)
         return trainer_class(**models, args=args, train_dataset=dataset, processing_class=tokenizer)

@@ -659,77 +659,13 @@ def _check_columns(dataset, args) -> None:
 
 # --------------------------------------------------------------------------------------------------- preference data
 #
-# DPO and reward data are prepared and collated by the trainer itself (`_prepared_preferences`); the tokenization
-# below is KTO's (its prompt and completion tokenized together, as TRL's KTO trainer does).
-
-
-def _chat_template_kwargs(example: dict) -> dict:
-    """What a conversational example gives the chat template besides its messages: its `tools` (a list, or that list
-    as JSON text) and its `chat_template_kwargs`."""
-    tools = example.get("tools")
-    if isinstance(tools, str):
-        tools = json.loads(tools)
-    return {"tools": tools, **(example.get("chat_template_kwargs") or {})}
-
-
-def _token_ids(tokenizer, content, **template_kwargs) -> list[int]:
-    """The token ids of `content`: a list of messages rendered by the chat template, or a text (with the special
-    tokens the tokenizer adds to a text of its own accord)."""
-    if isinstance(content, list):
-        encoded = tokenizer.apply_chat_template(content, tokenize=True, return_dict=True, **template_kwargs)
-        return list(encoded["input_ids"])
-    return list(tokenizer(text=content)["input_ids"])
+# Prepared by the trainers themselves, each built on a tiny stand-in model (`prepared.prepared_trainer`); DPO and
+# reward data are collated by the trainer's own collator too.
 
 
 def _common_length(ids: list[int], other: list[int]) -> int:
     """How many leading tokens `ids` and `other` have in common."""
     return len(os.path.commonprefix([ids, other]))
-
-
-#: whether `_note_prompt_end_moved` has warned (once per process)
-_prompt_end_noted: list[bool] = []
-
-
-def _note_prompt_end_moved(tokenizer, moved: list[int]) -> None:
-    """Warn once that some prompts end differently alone than followed by their completions (TRL's DPO trainer
-    warns of it too): their last tokens, `moved`, count as completion tokens, as in training."""
-    if _prompt_end_noted:
-        return
-    _prompt_end_noted.append(True)
-    warnings.warn(
-        "the tokenized prompt of some examples is not where the tokenized prompt + completion starts (the chat "
-        "template renders a prompt alone differently, or tokens merge across its end); the completions start where "
-        f"they differ, so the prompt's end {tokenizer.decode(moved)!r} is counted as completion, as training takes it",
-        UserWarning,
-        stacklevel=2,
-    )
-
-
-def _tokenize_pair(example: dict, tokenizer, keys: tuple[str, ...] = ("chosen", "rejected")) -> dict:
-    """DPO's columns of one example (KTO's with `keys=("completion",)`): the prompt's tokens, and each completion's
-    tokens after it.
-
-    Each completion is tokenized together with its prompt, as the model reads them (conversational: rendered by the
-    chat template; the prompt alone ends with the generation prompt). The prompt is the start of the tokenized prompt
-    that both prompt-and-completion sequences share: a chat template may render a prompt alone differently, and a
-    tokenizer may merge tokens across the prompt's end; whatever differs belongs to the completions."""
-    from trl.data_utils import is_conversational
-
-    prompt = example["prompt"]
-    if is_conversational(example):
-        kwargs = _chat_template_kwargs(example)
-        prompt_ids = _token_ids(tokenizer, prompt, add_generation_prompt=True, **kwargs)
-        full = [_token_ids(tokenizer, prompt + example[key], **kwargs) for key in keys]
-    else:
-        prompt_ids = _token_ids(tokenizer, prompt)
-        full = [_token_ids(tokenizer, prompt + example[key]) for key in keys]
-    start = min(_common_length(prompt_ids, ids) for ids in full)
-    if start < len(prompt_ids):
-        _note_prompt_end_moved(tokenizer, prompt_ids[start:])
-    return {
-        "prompt_ids": prompt_ids[:start],
-        **{f"{key}_ids": ids[start:] for key, ids in zip(keys, full, strict=True)},
-    }
 
 
 def _preprocess(trainer: str, prepare, dataset, tokenizer, *limits):
@@ -782,48 +718,21 @@ def _prepared_preferences(dataset, tokenizer, args):
 
 # --------------------------------------------------------------------------------------------------- KTO, ORPO, CPO
 #
-# TRL 1.16's KTO preprocessing (`KTOTrainer._prepare_dataset`) and its experimental ORPO/CPO tokenization
-# (`tokenize_row` and `build_tokenized_answer`, the same in both), re-derived with TRL's public data functions:
-# `tests/test_stats_trainers.py` compares the columns and the collated rows with what TRL's trainers produce.
-
-
-def _with_completion_eos(example: dict, eos_token: str) -> dict:
-    """KTO: a text completion ends with the EOS token (added where it is missing)."""
-    completion = example["completion"]
-    return {"completion": completion if completion.endswith(eos_token) else completion + eos_token}
-
-
-def _with_kl_completions(examples: dict) -> dict:
-    """KTO's KL completions: each example's KL row takes the completion of the example before it in its batch."""
-    completions = examples["completion_ids"]
-    return {"KL_completion_ids": completions[-1:] + completions[:-1]}
+# Prepared by the trainers themselves (TRL's KTO `_prepare_dataset`, ORPO/CPO `tokenize_row`); the rows each
+# micro-batch holds are laid out here as TRL's collators build them (`kto_rows`, `paired_rows`):
+# `tests/test_stats_trainers.py` compares them with what TRL's trainers collate.
 
 
 def kto_dataset(dataset, tokenizer, max_length: int | None, batch_size: int):
-    """`dataset` as TRL's `KTOTrainer` prepares it: `prompt_ids`, `completion_ids` and `KL_completion_ids` per example.
+    """`dataset` as the KTO trainer prepares it (TRL's `_prepare_dataset`, run by this package's trainer on a tiny
+    stand-in model: `prepared.prepared_trainer`): `prompt_ids`, `completion_ids` and `KL_completion_ids` per example.
+    Pairs are unpaired, text completions end with EOS, the examples whose prompt alone fills `max_length` are dropped,
+    and the KL completions are rotated within each batch of `batch_size` consecutive examples (TRL's default loss,
+    `"kto"`, computes the KL rows)."""
+    from .prepared import prepared_trainer
 
-    Without a `prompt` column the prompt is the start `chosen` and `rejected` share; pairs are unpaired (each pair's
-    chosen and rejected completion become two examples). Text completions (the first example tells) end with the EOS
-    token. With `max_length`, the examples whose prompt alone fills it are dropped. The KL completions are rotated
-    within each batch of `batch_size` consecutive examples (TRL's default loss, `"kto"`, computes the KL rows)."""
-    from trl.data_utils import extract_prompt, is_conversational, unpair_preference_dataset
-
-    if "prompt" not in dataset.column_names:
-        dataset = dataset.map(extract_prompt, desc="Extracting prompt from train dataset")
-    if {"chosen", "rejected"} <= set(dataset.column_names):
-        dataset = unpair_preference_dataset(dataset, desc="Unpairing train dataset")
-    if not is_conversational(dataset[0]):
-        eos = {"eos_token": tokenizer.eos_token}
-        dataset = dataset.map(_with_completion_eos, fn_kwargs=eos, desc="Adding EOS to train dataset")
-    kwargs = {"tokenizer": tokenizer, "keys": ("completion",)}
-    dataset = dataset.map(_tokenize_pair, fn_kwargs=kwargs, desc="Tokenizing train dataset")
-    if max_length is not None:
-        dataset = dataset.filter(
-            lambda prompt_ids: len(prompt_ids) < max_length,
-            input_columns="prompt_ids",
-            desc="Dropping fully truncated examples from train dataset",
-        )
-    return dataset.map(_with_kl_completions, batched=True, batch_size=batch_size, desc="Extracting KL train dataset")
+    options = {"max_length": max_length, "per_device_train_batch_size": batch_size}
+    return prepared_trainer("kto", dataset, tokenizer, **options).train_dataset
 
 
 def paired_dataset(dataset, tokenizer, trainer: str, max_length: int):
@@ -1175,9 +1084,6 @@ def _print_preference_report(args, counts: _PreferenceCounts) -> None:
 def preference_report(dataset, tokenizer, args) -> None:
     """The report on data with its completions (`--trainer dpo`, `reward`, `kto`, `orpo` or `cpo`): prepared as the
     trainer prepares it, its stock rows laid out as training lays them out."""
-    from ..trl_internals import check_trl_internals
-
-    check_trl_internals("stats")  # the preprocessing re-derived here is still TRL's (fingerprints of its methods)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     pad, batch_size, max_length = tokenizer.pad_token_id, args.per_device_train_batch_size, args.max_length or None
     if args.trainer in PREFERENCE_TRAINERS:
@@ -1466,6 +1372,14 @@ def group_report(dataset, tokenizer, args) -> None:
     from ..savings import group_stats
 
     online = args.trainer == "online_dpo"
+    if online:  # the rendering of its prompts re-derived here is still TRL's (the fingerprint of its `_generate`)
+        from trl.import_utils import TRLExperimentalWarning
+
+        from ..trl_internals import check_trl_internals
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TRLExperimentalWarning)  # TRL's notice on importing the trainer
+            check_trl_internals("stats")
     lengths, conversational = prompt_lengths(dataset, tokenizer, online=online)
     g, c = args.num_generations, args.completion_length
     truncated = keep = 0
