@@ -87,7 +87,7 @@ def test_every_entry_of_the_table_is_the_trainer_it_names(name):
     cls, config = getattr(trl_prefix_sharing, spec.trainer_class), getattr(trl_prefix_sharing, spec.config_class)
     assert vars(importlib.import_module(spec.module, "trl_prefix_sharing"))[spec.trainer_class] is cls
     assert vars(importlib.import_module(spec.config_module, "trl_prefix_sharing"))[spec.config_class] is config
-    assert issubclass(cls, trl_internals._resolve(spec.trl_trainer)) and spec_of_class(cls) is spec
+    assert issubclass(cls, trl_internals.resolve(spec.trl_trainer)) and spec_of_class(cls) is spec
     assert cls._config_class is config
     assert (ROOT / "trl_prefix_sharing" / "cli" / f"{name}.py").is_file()
     trl_config = next(base for base in config.__mro__[1:] if base.__name__ == spec.config_class)

@@ -27,11 +27,11 @@ from .forward import unwrap_model
 from .model_check import StartupCheck
 from .session import PrefixSharingSession
 from .support import (
-    active_dropout,
     check_adapter,
     check_architecture,
     check_forward_in_place,
     check_model_and_processor,
+    check_no_dropout,
 )
 from .trainers import guard_trainer_class
 from .tuning import measure_session
@@ -199,16 +199,7 @@ class _ArgumentsChecked:
         check_rows_left(self._dataset_sizes, datasets, type(self).__name__, getattr(self.args, "max_length", None))
 
 
-class _Guarded:
-    """A class over a TRL trainer is checked, when it is created, against the TRL internals its entry in the table of
-    trainers lists (`trainers.guard_trainer_class`): every trainer, by construction."""
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        guard_trainer_class(cls)
-
-
-class PrefixSharingMixin(_Guarded, _ArgumentsChecked, _PositionsLogged, _PatchedWhileRunning):
+class PrefixSharingMixin(_ArgumentsChecked, _PositionsLogged, _PatchedWhileRunning):
     """Placed before TRL's trainer class (and after `PackingMixin`). A trainer calls `_init_prefix_sharing(...)` before
     TRL's `__init__` and `_finish_prefix_sharing_init()` after it; its session is then `self.sharing_session` and its
     start-up check `self.model_check` (both None while the trainer runs as stock TRL), and it calls
@@ -225,6 +216,12 @@ class PrefixSharingMixin(_Guarded, _ArgumentsChecked, _PositionsLogged, _Patched
     _supports_vision = False
     #: whether the models get TRL's fused log-prob head from this package (trainers that score full logits in stock)
     _fuse_lm_head = False
+
+    def __init_subclass__(cls, **kwargs):
+        """A class over a TRL trainer is checked, when it is created, against the TRL internals its entry in the table
+        of trainers lists (`trainers.guard_trainer_class`): every trainer, by construction."""
+        super().__init_subclass__(**kwargs)
+        guard_trainer_class(cls)
 
     def _init_prefix_sharing(self, model, args, processing_class, peft_config=None, datasets=None) -> None:
         """Before TRL's `__init__`: read the options and check what can be checked (the config class, the model, the
@@ -285,14 +282,7 @@ class PrefixSharingMixin(_Guarded, _ArgumentsChecked, _PositionsLogged, _Patched
             return
         models = self._layout_models()
         check_adapter(models[0])
-        where = active_dropout(models[0])
-        if where is not None:
-            raise ValueError(
-                f"Prefix sharing cannot give stock's numbers with dropout active in the model ({where}): dropout "
-                "draws a random mask per position of the rows the model runs, and the shared rows have other "
-                "positions than stock's. Set `disable_dropout=True` in the config (and an attention dropout of 0 in "
-                "the model config), or train with `prefix_sharing=False`."
-            )
+        check_no_dropout(models[0])
         name = type(self).__name__
         reasons = [check_architecture(model.config, name, self._supports_vision) for model in models]
         self.model_check = StartupCheck(models, reasons, getattr(self.args, "prefix_sharing_model_check", "auto"))

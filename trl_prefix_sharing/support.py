@@ -14,6 +14,7 @@ from .vision import check_supported_vision_model, is_vision_config
 
 __all__ = [
     "active_dropout",
+    "check_no_dropout",
     "check_adapter",
     "check_architecture",
     "check_forward_in_place",
@@ -110,6 +111,18 @@ def active_dropout(model) -> str | None:
                 if isinstance(rate, float) and rate > 0:
                     return f"`{name}.{attribute}` ({rate})"
     return None
+
+
+def check_no_dropout(model) -> None:
+    """Refuse a model that still drops out in training (`active_dropout`), naming where and the way out."""
+    where = active_dropout(model)
+    if where is not None:
+        raise ValueError(
+            f"Prefix sharing cannot give stock's numbers with dropout active in the model ({where}): dropout "
+            "draws a random mask per position of the rows the model runs, and the shared rows have other "
+            "positions than stock's. Set `disable_dropout=True` in the config (and an attention dropout of 0 in "
+            "the model config), or train with `prefix_sharing=False`."
+        )
 
 
 def check_adapter(model) -> None:

@@ -64,6 +64,7 @@ __all__ = [
     "check_trl_internals",
     "fingerprint",
     "import_experimental",
+    "resolve",
     "replaced_function",
 ]
 
@@ -255,7 +256,8 @@ INTERNALS: dict[str, tuple[Internal, ...]] = {
 }
 
 
-def _resolve(owner: str):
+def resolve(owner: str):
+    """The object an import path names: `module:Class`, `module:Class.attribute`, or `module`."""
     module_name, _, qualname = owner.partition(":")
     target = importlib.import_module(module_name)
     for part in filter(None, qualname.split(".")):
@@ -309,7 +311,7 @@ def _code_problem(internal: Internal, target) -> str | None:
 def _problem(internal: Internal) -> str | None:
     """What no longer matches for one internal (None: it matches)."""
     try:
-        owner = _resolve(internal.owner)
+        owner = resolve(internal.owner)
     except (ImportError, AttributeError) as error:
         return f"{internal.owner} cannot be imported ({error})"
     if internal.attribute:

@@ -55,10 +55,10 @@ def make_parser(command: str, prog: str | None = None):
 
     import trl_prefix_sharing
 
-    from ..trl_internals import _resolve
+    from ..trl_internals import resolve
 
     spec = TRAINERS[command]
-    script_args = _resolve(spec.script_arguments)
+    script_args = resolve(spec.script_arguments)
     config = getattr(trl_prefix_sharing, spec.config_class)  # only this command's trainer module is imported
     return _parser_class()(
         (script_args, config, ModelConfig, DatasetMixtureConfig), prog=prog or f"trl-prefix-sharing {command}"
