@@ -489,11 +489,12 @@ def test_stats_reward_prepares_as_the_trainer(tokenizer, tmp_path, name, max_len
         assert len(prepared.train_dataset) < len(dataset)  # the limit dropped some examples, not all
 
 
-@pytest.mark.parametrize("kind", ["dpo", "reward", "orpo", "cpo"])
+@pytest.mark.parametrize("kind", ["dpo", "reward", "kto", "orpo", "cpo"])
 def test_stats_counts_what_a_training_run_logs(workspace, tokenizer, tmp_path, capsys, kind):
-    """The positions per example `stats` prints for DPO, reward, ORPO and CPO data are the `num_shared_tokens` a run
-    of this package's trainer logs over the same examples (one epoch, every prompt distinct, so that micro-batches
-    share nothing across examples), divided by the examples."""
+    """The positions per example `stats` prints for DPO, reward, KTO, ORPO and CPO data are the `num_shared_tokens` a
+    run of this package's trainer logs over the same examples (one epoch, every prompt distinct, so that micro-batches
+    share nothing across examples; KTO's policy pass merged with its KL rows, as its reference pass is), divided by the
+    examples (KTO's: the pairs unpaired)."""
     import datasets
 
     import trl_prefix_sharing
@@ -520,20 +521,23 @@ def test_stats_counts_what_a_training_run_logs(workspace, tokenizer, tmp_path, c
         prefix_sharing_join="prompts",
         prefix_sharing_attn_implementation="sdpa",  # no measured choice of stock's rows
         per_device_train_batch_size=4,
-        max_steps=3,
-        logging_steps=3,
+        num_train_epochs=1,
+        logging_steps=1,  # `num_shared_tokens` is a running total: the last one logged counts the epoch
         save_strategy="no",
+        **({"prefix_sharing_merge_kl": True} if kind == "kto" else {}),
     )
-    refs = {"ref_model": make_model("llama", len(tokenizer))} if kind == "dpo" else {}
+    refs = {"ref_model": make_model("llama", len(tokenizer))} if kind in ("dpo", "kto") else {}
     trainer = getattr(trl_prefix_sharing, spec.trainer_class)(
         model=model, **refs, args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer
     )
     trainer.train()
     logged = [entry["num_shared_tokens"] for entry in trainer.state.log_history if "num_shared_tokens" in entry]
     assert logged and logged[-1] > 0
-    assert printed == pytest.approx(logged[-1] / len(rows), abs=0.05)  # printed to one decimal
+    examples = len(trainer.train_dataset)
+    assert examples == len(rows) * (2 if kind == "kto" else 1)
+    assert printed == pytest.approx(logged[-1] / examples, abs=0.05)  # printed to one decimal
     stock_per_example = float(line.split("stock ")[1].split(",")[0])
-    assert abs(stock_per_example - logged[-1] / len(rows)) > 0.05  # the comparison can fail: stock's count differs
+    assert abs(stock_per_example - logged[-1] / examples) > 0.05  # the comparison can fail: stock's count differs
 
 
 # ------------------------------------------------------------------------------------------ the model check
