@@ -699,3 +699,65 @@ def test_recorded_speedups_hold_the_ideal_with_padding():
             positions = variants["stock"]["positions_per_pair"] / variants["sharing"]["positions_per_pair"]
             assert profile["padded_ideal"] == pytest.approx(positions, abs=1e-3), name
             assert profile["sharing"] <= profile["padded_ideal"], name
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo", "online_dpo"])
+def test_stats_group_counts_what_a_training_run_logs(workspace, tokenizer, tmp_path, capsys, kind):
+    """GRPO, RLOO and online DPO: with every completion as long as `stats` assumes (EOS never sampled, so each runs
+    to the longest generation) and every prompt distinct, the shared positions per group it prints are the
+    `num_shared_tokens` a training run logs, divided by the groups. (Completions that start alike share more in
+    training, which `stats` cannot know before generation; the fixed seed's completions do not.)"""
+    import datasets
+
+    import trl_prefix_sharing
+    from trl_prefix_sharing.cli.stats import main
+    from trl_prefix_sharing.testing import make_model
+
+    prompts = [{"prompt": " ".join(f"w{10 * i + k}" for k in range(i % 5 + 1))} for i in range(1, 9)]
+    data = workspace / f"distinct_prompts_{kind}.jsonl"
+    _write_jsonl(data, prompts)
+    online = kind == "online_dpo"
+    generations, length = (2, 5) if online else (4, 5)  # online DPO generates a pair per prompt
+    # the longest generation, as each config names it, and the group size where it is an option
+    sizes = {"max_new_tokens": length} if online else {"max_completion_length": length, "num_generations": generations}
+    argv = ["--dataset_name", str(data), "--model_name_or_path", str(workspace / "tok"), "--trainer", kind]
+    assert main([*argv, *(f"--{key}={value}" for key, value in sizes.items())]) == 0
+    out = capsys.readouterr().out.splitlines()
+    shared, stock = (
+        float(next(line for line in out if line.strip().startswith(label)).split(":")[1].split()[0])
+        for label in ("shared, P-1+G(C+1)", "stock, G(P+C)")
+    )
+
+    spec = trl_prefix_sharing.trainers.TRAINERS[kind]
+    config = getattr(trl_prefix_sharing, spec.config_class)(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        seed=0,
+        prefix_sharing=True,
+        prefix_sharing_join="prompts",
+        prefix_sharing_attn_implementation="sdpa",  # no measured choice of stock's rows
+        per_device_train_batch_size=2 if online else 2 * generations,  # online DPO: prompts, each generating 2
+        **sizes,
+        temperature=30.0,  # near-uniform sampling: a group's completions start with different tokens
+        generation_kwargs={"sequence_bias": [[[tokenizer.eos_token_id], -100.0]]},  # EOS never sampled
+        **({} if online else {"beta": 0.0}),  # no reference model (RLOO's default loads one from the model's path)
+        num_train_epochs=1,
+        logging_steps=1,
+        save_strategy="no",
+    )
+    refs = {"ref_model": make_model("llama", len(tokenizer))} if online else {}
+    trainer = getattr(trl_prefix_sharing, spec.trainer_class)(
+        model=make_model("llama", len(tokenizer)),
+        **refs,
+        reward_funcs=[lambda completions, **kwargs: [float(len(c)) for c in completions]],
+        args=config,
+        train_dataset=datasets.Dataset.from_list(prompts),
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    logged = [entry["num_shared_tokens"] for entry in trainer.state.log_history if "num_shared_tokens" in entry]
+    assert logged and logged[-1] > 0
+    assert shared == pytest.approx(logged[-1] / len(prompts), abs=0.05)  # printed to one decimal
+    assert abs(stock - logged[-1] / len(prompts)) > 0.05  # the comparison can fail: stock's count differs
