@@ -2,19 +2,20 @@
 weights), and applies training's architecture check first: a model training refuses (Mamba, an encoder, ...) is an
 error naming the reason, never a verdict.
 
-Data with its completions (`--trainer dpo`, `reward`, `kto`, `orpo` or `cpo`): tokenizes the dataset exactly as TRL's
-trainer would (same preprocessing, same truncation) and lays each example's stock rows out as training does, then
-reports the lengths of the shared prefix (the prompt plus whatever start the example's rows have in common: prefix
-sharing computes the longest common token prefix of an example's rows once) and of the rest of each row, token
-positions per example with and without sharing, and the predicted speedup. Two ideals: the padding-free one (stock /
-shared tokens, `2(p+c)/(p+2c)` for a pair) and the one with padding (stock's padded rows / the shared rows, in batches
-of `--per_device_train_batch_size`: the positions each really computes). The expected speedup is the ideal with
-padding times the share of it that `scripts/benchmark.py --record` measured on the benchmark profile whose shared
-prefix/rest ratio is nearest to this dataset's (`trl_prefix_sharing/data/measured_speedups.json`, one entry per device
-kind measured); it is never printed above the ideal with padding, and where it is above the padding-free ideal its line
-says why (stock also computes its rows' padding, which the shared rows drop). Nor is it printed below 1: where the
-nearest profile measured sharing slower than stock, training's `"auto"` (the default kernel choice) measures that on
-its first micro-batch and runs stock's own rows, and the line says so. The verdict takes the lowest of these.
+Data with its completions (`--trainer dpo`, `reward`, `kto`, `orpo` or `cpo`): the trainer itself, built on a tiny
+stand-in model (`cli/prepared.py`), prepares the dataset (TRL's own preprocessing and truncation), and each example's
+stock rows are laid out as training does. The report gives the lengths of the shared prefix (the prompt plus whatever
+start the example's rows have in common: prefix sharing computes the longest common token prefix of an example's rows
+once) and of the rest of each row, token positions per example with and without sharing, and the predicted speedup.
+Two ideals: the padding-free one (stock / shared tokens, `2(p+c)/(p+2c)` for a pair) and the one with padding (stock's
+padded rows / the shared rows, in batches of `--per_device_train_batch_size`: the positions each really computes).
+The expected speedup is the ideal with padding times the share of it that `scripts/benchmark.py --record` measured on
+the benchmark profile whose shared prefix/rest ratio is nearest to this dataset's
+(`trl_prefix_sharing/data/measured_speedups.json`, one entry per device kind measured); it is never printed above the
+ideal with padding, and where it is above the padding-free ideal its line says why (stock also computes its rows'
+padding, which the shared rows drop). Nor is it printed below 1: where the nearest profile measured sharing slower
+than stock, training's `"auto"` (the default kernel choice) measures that on its first micro-batch and runs stock's
+own rows, and the line says so. The verdict takes the lowest of these.
 
 - `dpo`, `reward`: each pair's two rows (or a ranked example's K rows), through the trainer's collator; packing too.
 - `orpo`, `cpo`: TRL's experimental ORPO/CPO tokenization (`tokenize_row`: BOS added, EOS added, the completions cut to
