@@ -24,6 +24,10 @@ class Columns:
     accepted: tuple[frozenset[str], ...] = field(metadata={"help": "Column sets, one of which must be present."})
     needs: str = field(metadata={"help": "What a dataset needs, in words: the end of the error."})
 
+    def accept(self, columns) -> bool:
+        """Whether a dataset with `columns` holds one of the accepted sets in full."""
+        return any(required <= set(columns) for required in self.accepted)
+
 
 @dataclass(frozen=True)
 class TrainerSpec:

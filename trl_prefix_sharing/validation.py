@@ -128,7 +128,7 @@ def check_dataset_columns(dataset, name: str, needed: Columns, allow_images: boo
             f"model ({', '.join(VISION_MODEL_TYPES)}) and its processor as `processing_class`; TRL 1.16's "
             "RewardTrainer has no image support. Otherwise train it with `prefix_sharing=False`."
         )
-    if not any(required <= columns for required in needed.accepted):
+    if not needed.accept(columns):
         raise ValueError(f"The {name} dataset has columns {sorted(columns)}; {needed.needs}")
     validate_preference_rows(dataset, name)
 

@@ -271,7 +271,7 @@ def check_split(command: str, dataset, name: str, split: str) -> None:
     else:
         return
     needed = TRAINERS[command].columns
-    if not any(required <= columns for required in needed.accepted):
+    if not needed.accept(columns):
         raise ValueError(f"{where} has columns {sorted(columns)}; {needed.needs}")
 
 
