@@ -206,8 +206,8 @@ def main():
                     kind, {"prefix_sharing": True, "packing": True}, args.out, tokenizer, dataset, models, **fields
                 )
                 replay = ReplayRanks(
-                    planner._unit_lengths(planner.train_dataset),
-                    planner._resolve_packing_length(),
+                    planner.packed_batches.unit_lengths(planner.train_dataset),
+                    planner.packed_batches.resolve_length(),
                     num_replicas=2,
                     rank=0,
                     seed=0,

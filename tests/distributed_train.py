@@ -129,8 +129,8 @@ def main():
         finish()
     if args.replay_ranks:
         replay = ReplayRanks(
-            trainer._unit_lengths(trainer.train_dataset),
-            trainer._resolve_packing_length(),
+            trainer.packed_batches.unit_lengths(trainer.train_dataset),
+            trainer.packed_batches.resolve_length(),
             num_replicas=args.replay_ranks,
             rank=0,
             seed=trainer.args.seed,

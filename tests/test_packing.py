@@ -42,7 +42,7 @@ def test_packed_logps_and_gradient_equal_stock(tmp_path, tokenizer, family, pref
     )
     assert packed.data_collator.rows == RowPolicy(pack=True)  # dense (SDPA) backend: several rows per batch
     if rows == "one_row":  # FlexAttention's layout: the whole batch in one row of packing_length
-        packed.data_collator.rows = RowPolicy(pack=True, length=packed._packing_length, one_row=True)
+        packed.data_collator.rows = RowPolicy(pack=True, length=packed.packed_batches.length, one_row=True)
     examples = list(stock.train_dataset)
     stock_result = step(stock, examples)
     # one optimizer step of one micro-batch on one rank, as `get_batch_samples` counts it before the step (scale 1)
@@ -118,7 +118,7 @@ def test_training_uses_the_multipack_sampler(tmp_path, tokenizer):
         loader.batch_sampler.batch_sampler if hasattr(loader.batch_sampler, "batch_sampler") else loader.batch_sampler
     )
     assert isinstance(sampler, MultipackSampler)
-    assert packed._packing_length % 128 == 0
+    assert packed.packed_batches.length % 128 == 0
     assert sampler.efficiency() > 0.5
     seen = sorted(i for batch in sampler for i in batch)
     assert seen == list(range(len(packed.train_dataset)))
@@ -218,7 +218,7 @@ def test_mask_that_forgets_documents_fails(tmp_path, tokenizer, monkeypatch):
         ours={"prefix_sharing": True, "packing": True, "packing_length": 512},
     )
     packed.data_collator.rows = RowPolicy(
-        pack=True, length=packed._packing_length, one_row=True
+        pack=True, length=packed.packed_batches.length, one_row=True
     )  # all examples in one row
     examples = list(stock.train_dataset)
     stock_result = step(stock, examples)

@@ -162,7 +162,7 @@ def test_reward_packing_matches_stock(tmp_path, tokenizer):
     assert packed_result["batch"]["prefix_sharing"].input_ids.shape[0] > 1
     assert_same_reward_step(stock_result, packed_result)
     packed.data_collator.rows = RowPolicy(
-        pack=True, length=packed._packing_length, one_row=True
+        pack=True, length=packed.packed_batches.length, one_row=True
     )  # one row, as with FlexAttention
     packed._total_train_tokens = 0  # `num_tokens` is a running total
     packed_result = reward_step(packed, examples, pairs_in_window=len(examples))

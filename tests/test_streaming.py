@@ -52,7 +52,7 @@ def test_streamed_packing_with_defaults_trains_like_stock_per_pair(tmp_path, tok
     )
     one_batch, _ = _make(kind, tmp_path, tokenizer, _stream(6, seed=40), per_device_train_batch_size=6, **common)
     # the default row budget: per_device_train_batch_size x 2 rows of max_length, rounded up to 128
-    assert packed._packing_length == 512
+    assert packed.packed_batches.length == 512
     for trainer in (stock, packed, one_batch):
         trainer.train()
     assert len(_losses(packed)) == len(_losses(one_batch)) == 1
@@ -78,7 +78,7 @@ def test_streamed_packing_evaluation_equals_stock(tmp_path, tokenizer, kind):
         ours={"prefix_sharing": True, "packing": True},
     )
     packed.args.per_device_eval_batch_size = 4
-    assert packed._streams() and len(list(packed.get_eval_dataloader())) == 3
+    assert packed.packed_batches.streams() and len(list(packed.get_eval_dataloader())) == 3
     assert_same_eval_metrics(stock.evaluate(), packed.evaluate())
 
 
@@ -95,7 +95,8 @@ def test_stream_batch_larger_than_packing_length_takes_several_rows(tmp_path, to
         max_steps=1,
         ours={"prefix_sharing": True, "packing": True, "packing_length": 128},
     )
-    packed.data_collator.rows = RowPolicy(pack=True, length=packed._packing_length)  # the FlexAttention stream layout
+    # the FlexAttention stream layout
+    packed.data_collator.rows = RowPolicy(pack=True, length=packed.packed_batches.length)
     examples = list(stock.train_dataset)
     assert len(examples) == 8
     packed._pairs_in_window = len(examples)  # one optimizer step of one micro-batch on one rank

@@ -120,7 +120,7 @@ def test_trie_with_packing_and_precomputed_reference(tmp_path, tokenizer, kernel
         for param in trainer.model.parameters():
             param.data.add_(torch.randn_like(param), alpha=0.02)
     if kernel == "sdpa":  # all pairs in one packed row (varlen's row is always one)
-        shared.data_collator.rows = RowPolicy(pack=True, length=shared._packing_length, one_row=True)
+        shared.data_collator.rows = RowPolicy(pack=True, length=shared.packed_batches.length, one_row=True)
     examples = list(stock.train_dataset)
     assert_same_step(step(stock, examples), step(shared, examples))
 
@@ -150,10 +150,10 @@ def test_group_by_prompt_with_packing_packs_a_prompts_pairs_as_one_unit(tmp_path
     stock, shared = make_trainers(
         tmp_path, "llama", data, tokenizer, ours={"prefix_sharing": True, "packing": True, "group_by_prompt": True}
     )
-    groups = shared._groups(shared.train_dataset)
+    groups = shared.packed_batches.groups(shared.train_dataset)
     assert len(groups) == 6 and sorted(i for g in groups for i in g) == list(range(len(data)))
-    lengths = shared._unit_lengths(shared.train_dataset, grouped=True)
-    alone = shared._unit_lengths(shared.train_dataset)
+    lengths = shared.packed_batches.unit_lengths(shared.train_dataset, grouped=True)
+    alone = shared.packed_batches.unit_lengths(shared.train_dataset)
     assert all(lengths[u] < sum(alone[i] for i in g) for u, g in enumerate(groups))  # a prompt's trie is shorter
     batches = list(shared._get_train_sampler())
     assert sorted(i for b in batches for i in b) == list(range(len(data)))
@@ -161,5 +161,5 @@ def test_group_by_prompt_with_packing_packs_a_prompts_pairs_as_one_unit(tmp_path
         assert all(set(g) <= set(batch) or not set(g) & set(batch) for g in groups)
         examples = [shared.train_dataset[i] for i in batch]
         layout = shared.data_collator(examples)["prefix_sharing"]
-        assert (layout.document_ids >= 0).sum() <= shared._packing_length
+        assert (layout.document_ids >= 0).sum() <= shared.packed_batches.length
         assert_same_step(step(stock, [stock.train_dataset[i] for i in batch]), step(shared, examples))

@@ -141,7 +141,7 @@ def test_packed_step_matches_stock(tmp_path, processors, prefix_sharing):
         ours={"prefix_sharing": prefix_sharing, "packing": True, "packing_length": 512},
     )
     # the whole batch in one row: images of several pairs in it
-    packed.data_collator.rows = RowPolicy(pack=True, length=packed._packing_length, one_row=True)
+    packed.data_collator.rows = RowPolicy(pack=True, length=packed.packed_batches.length, one_row=True)
     stock_result = step(stock, rows(dataset))
     packed_result = step(packed, rows(dataset))
     layout = packed_result["batch"]["prefix_sharing"]

@@ -15,7 +15,7 @@ from equivalence import (
     tie_free_text_dataset,
 )
 
-from trl_prefix_sharing.sharing import PrefixSharingMixin
+from trl_prefix_sharing.sharing import SharedPositions
 from trl_prefix_sharing.testing import make_model
 
 
@@ -96,7 +96,7 @@ def test_every_trainer_shows_what_sharing_saves(tmp_path, tokenizer, caplog, kin
 @pytest.mark.parametrize("kind", ["orpo", "grpo"])
 def test_a_silent_trainer_fails_the_check(tmp_path, tokenizer, caplog, monkeypatch, kind):
     """The check above fails for a trainer that counts nothing: it is not satisfied by stock's own lines."""
-    monkeypatch.setattr(PrefixSharingMixin, "_count_positions", lambda self, *args, **kwargs: None)
+    monkeypatch.setattr(SharedPositions, "count", lambda self, *args, **kwargs: None)
     stock, ours = _pair(kind, tmp_path, tokenizer)
     stock_logs = _train(stock)
     with caplog.at_level(logging.WARNING, logger="trl_prefix_sharing"):

@@ -67,7 +67,7 @@ class CollatedSharingMixin(PrefixSharingMixin):
         if self.sharing_session is not None:
             layout = self._prepare_layout(inputs)
             if self.model.training:  # the dataset's line was logged at `train()`
-                self._count_positions(layout.num_positions)
+                self.shared_positions.count(layout.num_positions)
 
 
 class PreferenceSharingMixin(PackingMixin, CollatedSharingMixin):

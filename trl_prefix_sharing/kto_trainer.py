@@ -295,7 +295,7 @@ class KTOTrainer(PrefixSharingMixin, trl.KTOTrainer):
         with self._routing(inputs):
             result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             if self._shared_batch is not None and self.model.training:
-                self._count_positions(*self._shared_batch.policy_positions(self.calculate_KL))
+                self.shared_positions.count(*self._shared_batch.policy_positions(self.calculate_KL))
         return result
 
     def compute_ref_log_probs(self, model, inputs):

@@ -22,6 +22,8 @@ sharing session itself.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from datasets import Dataset
 from transformers.trainer_pt_utils import BatchRebalanceSampler
@@ -33,7 +35,7 @@ from .layout import RowPolicy
 from .sampler import MultipackSampler
 
 
-__all__ = ["PackingMixin", "TrainerMultipackSampler", "PromptGroupSampler", "prompt_groups"]
+__all__ = ["PackedBatches", "PackingMixin", "TrainerMultipackSampler", "PromptGroupSampler", "prompt_groups"]
 
 logger = logging.get_logger(__name__)
 
@@ -120,114 +122,146 @@ def _common_start(*rows) -> tuple:
     return tuple(rows[0][:end])
 
 
-class PackedBatchesMixin:
-    """Packing's batches: the packed rows' length and row policy, the multipack and prompt-group samplers, and the
-    start-of-training log line. Needs `self.data_collator` to be a `PrefixSharingCollator` once the trainer wrapped it
-    (`_packed_rows` is asked then)."""
+class PackedBatches:
+    """Packing's batches for one trainer: each example's packing unit (or each prompt group's, `group_by_prompt`), the
+    packed rows' length (`length`, resolved when the trainer wraps its collator), and the multipack sampler over
+    them. Lengths are read once per dataset."""
 
     #: stock rows per example (a preference pair); a stream's packing unit is at most this many rows of `max_length`
-    _rows_per_example = 2
+    rows_per_example = 2
 
-    def _init_packing(self, args) -> None:
-        self._packing = bool(getattr(args, "packing", False))
-        self._pairs_in_window = None
-        self._unit_lengths_cache = {}
-        self._metric_weights = {"train": {}, "eval": {}}
-        self._packing_logged = False
-        self._packing_length = None  # tokens per packed row, resolved when the collator is wrapped
+    def __init__(self, trainer):
+        self._trainer = weakref.ref(trainer)
+        self._cache = {}
+        self.length = None  # tokens per packed row, resolved when the collator is wrapped
 
-    # ----------------------------------------------------------------------------------------------- set-up
-    def _packed_rows(self, backend) -> RowPolicy:
-        """The row policy of packed batches under the session's attention `backend` (`backend.packed_rows`), handed to
-        the collator once it is wrapped (the rows' length is measured with it)."""
-        self._packing_length = self._resolve_packing_length()
-        return backend.packed_rows(self._packing_length, self._streams())
-
-    def _unit_lengths(self, dataset, grouped: bool = False) -> list[int]:
-        """Each example's packing unit; `grouped`: each prompt group's (`group_by_prompt`), in `_groups` order."""
+    def unit_lengths(self, dataset, grouped: bool = False) -> list[int]:
+        """Each example's packing unit; `grouped`: each prompt group's (`group_by_prompt`), in `groups` order."""
         key = (getattr(dataset, "_fingerprint", None) or id(dataset), grouped)
-        if key not in self._unit_lengths_cache:
-            groups = self._groups(dataset) if grouped else None
-            self._unit_lengths_cache[key] = unit_lengths(dataset, self.data_collator, groups=groups)
-        return self._unit_lengths_cache[key]
+        if key not in self._cache:
+            groups = self.groups(dataset) if grouped else None
+            self._cache[key] = unit_lengths(dataset, self._trainer().data_collator, groups=groups)
+        return self._cache[key]
 
-    def _groups(self, dataset) -> list[list[int]]:
+    def groups(self, dataset) -> list[list[int]]:
         """The dataset indices of each prompt (`group_by_prompt`), in order of first appearance; read once."""
         key = (getattr(dataset, "_fingerprint", None) or id(dataset), "groups")
-        if key not in self._unit_lengths_cache:
+        if key not in self._cache:
             members: dict[int, list[int]] = {}
             for index, group in enumerate(prompt_groups(dataset)):
                 members.setdefault(group, []).append(index)
-            self._unit_lengths_cache[key] = list(members.values())
-        return self._unit_lengths_cache[key]
+            self._cache[key] = list(members.values())
+        return self._cache[key]
 
-    @property
-    def _group_by_prompt(self) -> bool:
-        return bool(getattr(self.args, "group_by_prompt", False))
-
-    def _datasets(self) -> list:
-        """The train and eval datasets."""
-        datasets = [self.train_dataset]
-        if isinstance(self.eval_dataset, dict):
-            datasets += list(self.eval_dataset.values())
+    def datasets(self) -> list:
+        """The trainer's train and eval datasets."""
+        trainer = self._trainer()
+        datasets = [trainer.train_dataset]
+        if isinstance(trainer.eval_dataset, dict):
+            datasets += list(trainer.eval_dataset.values())
         else:
-            datasets.append(self.eval_dataset)
+            datasets.append(trainer.eval_dataset)
         return [dataset for dataset in datasets if dataset is not None]
 
-    def _streams(self) -> bool:
+    def streams(self) -> bool:
         """Whether a train or eval dataset is streamed (no lengths to read ahead, no sampler)."""
-        return any(not isinstance(dataset, Dataset) for dataset in self._datasets())
+        return any(not isinstance(dataset, Dataset) for dataset in self.datasets())
 
-    def _longest_unit(self) -> int:
+    def longest_unit(self) -> int:
         """The longest packing unit of the train and eval datasets: measured on map-style datasets; for a stream, the
         bound every example obeys (each of its stock rows holds at most `max_length` tokens, as TRL truncates or
         drops longer ones, and a shared unit is never longer than its rows together)."""
+        trainer = self._trainer()
         longest = 1
-        for dataset in self._datasets():
+        for dataset in self.datasets():
             if isinstance(dataset, Dataset):
-                grouped = self._group_by_prompt and dataset is self.train_dataset
-                longest = max([longest, *self._unit_lengths(dataset, grouped)])
+                grouped = bool(getattr(trainer.args, "group_by_prompt", False)) and dataset is trainer.train_dataset
+                longest = max([longest, *self.unit_lengths(dataset, grouped)])
                 continue
-            if self.args.max_length is None:
+            if trainer.args.max_length is None:
                 raise ValueError(
                     "`packing=True` on a streamed dataset needs a bound on its examples' length: set `max_length` "
                     "(the packed rows then default to `per_device_train_batch_size` x 2 x `max_length` tokens) or "
                     "`packing_length`."
                 )
-            longest = max(longest, self._rows_per_example * self.args.max_length)
+            longest = max(longest, self.rows_per_example * trainer.args.max_length)
         return longest
 
-    def _resolve_packing_length(self) -> int:
+    def resolve_length(self) -> int:
         """`packing_length`, or `per_device_train_batch_size` x the longest unit (train and eval), rounded to 128."""
-        if self.args.packing_length is not None:
-            return self.args.packing_length
-        return -(-self.args.per_device_train_batch_size * self._longest_unit() // 128) * 128
+        args = self._trainer().args
+        if args.packing_length is not None:
+            return args.packing_length
+        return -(-args.per_device_train_batch_size * self.longest_unit() // 128) * 128
 
-    # ----------------------------------------------------------------------------------------------- batches
-    def _multipack_sampler(self, dataset, shuffle: bool, grouped: bool = False) -> TrainerMultipackSampler:
-        """`grouped`: the packing unit is a prompt's examples together (their trie), not one example."""
-        self._setup_prefix_sharing()
+    def sampler(self, dataset, shuffle: bool, grouped: bool = False) -> TrainerMultipackSampler:
+        """The multipack sampler of `dataset`; `grouped`: the packing unit is a prompt's examples together (their
+        trie), not one example."""
+        trainer = self._trainer()
+        trainer._setup_prefix_sharing()  # the collator wrapped: `length` resolved
+        args = trainer.args
         return TrainerMultipackSampler(
-            self._unit_lengths(dataset, grouped=grouped),
-            self._packing_length,
-            num_replicas=self.args.world_size,
-            rank=self.args.process_index,
-            seed=self.args.seed,
-            drop_last=self.args.dataloader_drop_last,
+            self.unit_lengths(dataset, grouped=grouped),
+            self.length,
+            num_replicas=args.world_size,
+            rank=args.process_index,
+            seed=args.seed,
+            drop_last=args.dataloader_drop_last,
             shuffle=shuffle,
-            members=self._groups(dataset) if grouped else None,
+            members=self.groups(dataset) if grouped else None,
         )
+
+
+def _metric_weights(trainer, mode, inputs, pairs, before) -> None:
+    """Record what each metric TRL just logged averaged over in this micro-batch (pairs, or completion tokens), for
+    the weighted mean of `PackingMixin.log`."""
+    mask = inputs.get("completion_mask")
+    device = inputs["input_ids"].device
+    if mask is not None:
+        mask = mask[:, 1:]
+        rows = mask.shape[0] // 2
+        tokens = [mask.sum(), mask[:rows].sum(), mask[rows:].sum()]
+    else:
+        tokens = [torch.tensor(0, device=device)] * 3
+    counts = torch.stack([torch.tensor(pairs, device=device), *[t.to(device) for t in tokens]])
+    pairs, all_tokens, chosen, rejected = trainer.accelerator.gather_for_metrics(counts.unsqueeze(0)).sum(0).tolist()
+    weight_of = {"all": all_tokens, "chosen": chosen, "rejected": rejected}
+    weights = trainer._metric_weights[mode]
+    for key, values in trainer._metrics[mode].items():
+        if key in _RUNNING_TOTALS or len(values) == before.get(key, 0):
+            continue
+        weights.setdefault(key, []).append(weight_of.get(trainer._token_weighted_metrics.get(key), pairs))
+
+
+class PackingMixin:
+    """Packing; see the module docstring: its batches (`packed_batches`, a `PackedBatches`), and the sampler, loss,
+    metrics and evaluation that follow from a variable number of pairs per micro-batch."""
+
+    def _init_packing(self, args) -> None:
+        self._packing = bool(getattr(args, "packing", False))
+        self._pairs_in_window = None
+        self._metric_weights = {"train": {}, "eval": {}}
+        self._packing_logged = False
+        self.packed_batches = PackedBatches(self)
+
+    def _packed_rows(self, backend) -> RowPolicy:
+        """The row policy of packed batches under the session's attention `backend` (`backend.packed_rows`), handed to
+        the collator once it is wrapped (the rows' length is measured with it)."""
+        batches = self.packed_batches
+        batches.length = batches.resolve_length()
+        return backend.packed_rows(batches.length, batches.streams())
 
     def _get_train_sampler(self, train_dataset=None):
         dataset = train_dataset if train_dataset is not None else self.train_dataset
+        grouped = bool(getattr(self.args, "group_by_prompt", False))
         if self.packing and isinstance(dataset, Dataset):
-            return self._multipack_sampler(dataset, shuffle=True, grouped=self._group_by_prompt)
+            return self.packed_batches.sampler(dataset, shuffle=True, grouped=grouped)
         sampler = super()._get_train_sampler(train_dataset)
-        return grouped_by_prompt(sampler, dataset, prompt_groups) if self._group_by_prompt else sampler
+        return grouped_by_prompt(sampler, dataset, prompt_groups) if grouped else sampler
 
     def _get_eval_sampler(self, eval_dataset):
         if self.packing and isinstance(eval_dataset, Dataset):
-            return self._multipack_sampler(eval_dataset, shuffle=False)
+            return self.packed_batches.sampler(eval_dataset, shuffle=False)
         return super()._get_eval_sampler(eval_dataset)
 
     def _pairs_in(self, batch) -> int:
@@ -236,25 +270,21 @@ class PackedBatchesMixin:
 
     def train(self, *args, **kwargs):
         if self.packing and not self._packing_logged and self.args.should_log:
+            batches = self.packed_batches
             if isinstance(self.train_dataset, Dataset):
-                sampler = self._multipack_sampler(self.train_dataset, shuffle=True)
+                sampler = batches.sampler(self.train_dataset, shuffle=True)
                 logger.warning(
-                    f"Packing: rows of {self._packing_length} tokens, {len(sampler)} per epoch "
+                    f"Packing: rows of {batches.length} tokens, {len(sampler)} per epoch "
                     f"on this rank, {100 * sampler.efficiency():.1f}% of their tokens used."
                 )
             else:
                 logger.warning(
                     f"Packing a streamed dataset: each batch of {self.args.per_device_train_batch_size} "
                     "examples as it arrives (no lengths to read ahead, so no multipack sampler), in rows of "
-                    f"at most {self._packing_length} tokens."
+                    f"at most {batches.length} tokens."
                 )
         self._packing_logged = True
         return super().train(*args, **kwargs)
-
-
-class PackingMixin(PackedBatchesMixin):
-    """Packing; see the module docstring: its batches (`PackedBatchesMixin`), and the loss, metrics and evaluation
-    that follow from a variable number of pairs per micro-batch."""
 
     #: metric -> which completion tokens it averages over ("all", "chosen", "rejected"); others are per-pair means
     _token_weighted_metrics: dict[str, str] = {}
@@ -276,7 +306,7 @@ class PackingMixin(PackedBatchesMixin):
         pairs = self._pairs_in(inputs)
         with variable_size_gathers(self.accelerator):  # ranks hold different numbers of pairs
             result = self._base_compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        self._record_metric_weights(mode, inputs, pairs, before)
+        _metric_weights(self, mode, inputs, pairs, before)
         if mode == "train" and self._pairs_in_window:
             # TRL averages over the pairs of this micro-batch; make it a sum over the pairs of the whole step (every
             # micro-batch of every rank), undoing the Trainer's division by the accumulation steps and DDP's mean.
@@ -290,25 +320,6 @@ class PackingMixin(PackedBatchesMixin):
         return super().compute_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )
-
-    # ----------------------------------------------------------------------------------------------- metrics
-    def _record_metric_weights(self, mode, inputs, pairs, before) -> None:
-        mask = inputs.get("completion_mask")
-        device = inputs["input_ids"].device
-        if mask is not None:
-            mask = mask[:, 1:]
-            rows = mask.shape[0] // 2
-            tokens = [mask.sum(), mask[:rows].sum(), mask[rows:].sum()]
-        else:
-            tokens = [torch.tensor(0, device=device)] * 3
-        counts = torch.stack([torch.tensor(pairs, device=device), *[t.to(device) for t in tokens]])
-        pairs, all_tokens, chosen, rejected = self.accelerator.gather_for_metrics(counts.unsqueeze(0)).sum(0).tolist()
-        weight_of = {"all": all_tokens, "chosen": chosen, "rejected": rejected}
-        weights = self._metric_weights[mode]
-        for key, values in self._metrics[mode].items():
-            if key in _RUNNING_TOTALS or len(values) == before.get(key, 0):
-                continue
-            weights.setdefault(key, []).append(weight_of.get(self._token_weighted_metrics.get(key), pairs))
 
     def log(self, logs, start_time=None):
         mode = "train" if self.model.training else "eval"

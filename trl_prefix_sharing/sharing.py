@@ -92,70 +92,42 @@ class _SharedPositionsState(TrainerCallback, ExportableState):
 
     def state(self) -> dict:
         trainer = self._trainer()
-        total = None if trainer is None else trainer._shared_positions
+        total = None if trainer is None else trainer.shared_positions.total
         return {"args": {}, "attributes": {"shared_positions": 0 if total is None else int(total)}}
 
     def on_train_begin(self, args, state, control, **kwargs):
         saved = state.stateful_callbacks.get(type(self).__name__)
         trainer = self._trainer()
         if state.global_step > 0 and isinstance(saved, dict) and trainer is not None:  # resumed from a checkpoint
-            trainer._shared_positions = saved["attributes"]["shared_positions"]
+            trainer.shared_positions.total = saved["attributes"]["shared_positions"]
 
 
-class _PatchedWhileRunning:
-    """The models patched for the length of `train()`, `evaluate()` and `predict()` (nested calls: the outermost),
-    and left as TRL leaves them afterwards. Needs `self.sharing_session` (None: nothing to patch) and
-    `self._sharing_scope_depth` (0 in the trainer's `__init__`)."""
-
-    @contextlib.contextmanager
-    def _prefix_sharing_scope(self):
-        """The models patched for the block (nested blocks: the outermost one), as TRL left them afterwards."""
-        depth = self._sharing_scope_depth
-        self._sharing_scope_depth = depth + 1
-        try:
-            if self.sharing_session is not None:
-                self.sharing_session.attach()
-            yield
-        finally:
-            self._sharing_scope_depth = depth
-            if depth == 0 and self.sharing_session is not None:
-                self.sharing_session.detach()
-
-    def train(self, *args, **kwargs):
-        with self._prefix_sharing_scope():
-            return super().train(*args, **kwargs)
-
-    def evaluate(self, *args, **kwargs):
-        with self._prefix_sharing_scope():
-            return super().evaluate(*args, **kwargs)
-
-    def predict(self, *args, **kwargs):
-        with self._prefix_sharing_scope():
-            return super().predict(*args, **kwargs)
-
-
-class _PositionsLogged:
+class SharedPositions:
     """What sharing saves, shown as the run goes: `num_shared_tokens` in the logs (the token positions the policy's
     training forwards computed, a running total kept on the device and read once per logging step) and, for trainers
     that lay out their rows in the step, a line after the first training forward comparing its positions with what
-    stock TRL computes on the same rows. Needs `self._shared_positions` (None) and `self._sharing_logged` (False) from
-    the trainer's `__init__`."""
+    stock TRL computes on the same rows."""
 
-    def _count_positions(self, positions: torch.Tensor, *stock_masks: torch.Tensor, note: str = "") -> None:
+    def __init__(self, trainer):
+        self._trainer = weakref.ref(trainer)
+        self.total = None  # a 0-d device tensor once a training forward counted, or an int resumed from a checkpoint
+        self._logged = False
+
+    def count(self, positions: torch.Tensor, *stock_masks: torch.Tensor, note: str = "") -> None:
         """Add `positions` (0-d, on the device: what a training forward of the policy computed), summed over the
         processes. With the attention masks of the stock rows that forward stands for, the first call also logs what
         stock TRL computes on them (one host read, once); `note` ends that line."""
+        trainer = self._trainer()
         counts = [positions.reshape(())]
-        first = bool(stock_masks) and not self._sharing_logged
+        first = bool(stock_masks) and not self._logged
         if first:
             stock = sum(mask.numel() for mask in stock_masks)
             counts += [torch.full_like(counts[0], stock), sum(mask.sum() for mask in stock_masks).to(counts[0])]
-        counts = self.accelerator.gather_for_metrics(torch.stack(counts).unsqueeze(0)).sum(0)
-        total = self._shared_positions
-        self._shared_positions = counts[0] if total is None else total + counts[0]
+        counts = trainer.accelerator.gather_for_metrics(torch.stack(counts).unsqueeze(0)).sum(0)
+        self.total = counts[0] if self.total is None else self.total + counts[0]
         if first:
-            self._sharing_logged = True
-            if self.args.should_log:
+            self._logged = True
+            if trainer.args.should_log:
                 shared, stock, tokens = counts.tolist()
                 logger.warning(
                     f"Prefix sharing: the first training forward computes {shared:,} token positions where stock TRL "
@@ -163,47 +135,89 @@ class _PositionsLogged:
                     f"{stock / max(shared, 1):.2f}x fewer{note}."
                 )
 
-    def log(self, logs, start_time=None):
-        if self.sharing_session is not None and self._shared_positions is not None and self.model.training:
-            logs = {**logs, "num_shared_tokens": int(self._shared_positions)}
-        return super().log(logs, start_time)
+
+class PatchScope:
+    """The session's patches attached for the length of a block (nested blocks: the outermost one), and left as TRL
+    leaves the models afterwards: what `train()`, `evaluate()` and `predict()` run in."""
+
+    def __init__(self, trainer):
+        self._trainer = weakref.ref(trainer)
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def __call__(self):
+        session = self._trainer().sharing_session
+        depth = self._depth
+        self._depth = depth + 1
+        try:
+            if session is not None:
+                session.attach()
+            yield
+        finally:
+            self._depth = depth
+            session = self._trainer().sharing_session
+            if depth == 0 and session is not None:
+                session.detach()
 
 
-class _ArgumentsChecked:
-    """The trainer's arguments read by name and its datasets checked: before TRL's `__init__` (empty, a misspelt
-    prompt column) and after it (rows left by TRL's preprocessing). Needs `self._dataset_sizes` ({})."""
-
-    def _check_datasets(self, datasets: dict) -> None:
-        """Clear errors for an empty dataset and (with prefix sharing) a misspelt prompt column; the row counts kept
-        for `_finish_prefix_sharing_init`, which checks that TRL's preprocessing left some."""
-        check = check_prompt_column if self.prefix_sharing else check_not_empty  # both refuse an empty dataset
-        for name, dataset in datasets.items():
-            check(dataset, name)
-        self._dataset_sizes = dataset_sizes(datasets)
-
-    def _init_prefix_sharing_from(self, args: tuple, kwargs: dict) -> None:
-        """`_init_prefix_sharing` with the arguments a trainer's `__init__` got and hands on to TRL's as they are,
-        read by the names of TRL's `__init__`."""
-        trl_class = next(cls for cls in type(self).__mro__ if cls.__module__.startswith("trl."))
-        given = inspect.signature(trl_class.__init__).bind(self, *args, **kwargs).arguments
-        self._init_prefix_sharing(
-            given.get("model"),
-            given.get("args"),
-            given.get("processing_class"),
-            given.get("peft_config"),
-            {"train": given.get("train_dataset"), "eval": given.get("eval_dataset")},
+def _check_arguments(trainer, model, args, processing_class, peft_config, datasets: dict) -> dict:
+    """Before TRL's `__init__`, with prefix sharing or packing on: this package's config class, the model and the
+    processor, and clear errors for an empty dataset and (with prefix sharing) a misspelt prompt column. Returns the
+    datasets' row counts, for checking that TRL's preprocessing left some (`_finish_prefix_sharing_init`)."""
+    name = type(trainer).__name__
+    if not isinstance(args, trainer._config_class):
+        raise TypeError(
+            f"`prefix_sharing`/`packing` need `trl_prefix_sharing.{trainer._config_class.__name__}` as `args`."
         )
+    trust_remote_code = getattr(args, "trust_remote_code", False)
+    check_model_and_processor(name, model, processing_class, peft_config, trust_remote_code, trainer._supports_vision)
+    check = check_prompt_column if trainer.prefix_sharing else check_not_empty  # both refuse an empty dataset
+    for split, dataset in datasets.items():
+        check(dataset, split)
+    return dataset_sizes(datasets)
 
-    def _check_rows_left(self) -> None:
-        datasets = {"train": self.train_dataset, "eval": self.eval_dataset}
-        check_rows_left(self._dataset_sizes, datasets, type(self).__name__, getattr(self.args, "max_length", None))
+
+def _checked_models(trainer) -> list:
+    """The models the layouts run (the policy, and a reference model where the trainer holds one), unwrapped, after
+    the checks that need the model as TRL prepared it (an adapter, dropout, the architecture)."""
+    models = [unwrap_model(trainer.model)]
+    if getattr(trainer, "ref_model", None) is not None:
+        models.append(unwrap_model(trainer.ref_model))
+    check_adapter(models[0])
+    check_no_dropout(models[0])
+    return models
 
 
-class PrefixSharingMixin(_ArgumentsChecked, _PositionsLogged, _PatchedWhileRunning):
+def _new_session(trainer, models) -> PrefixSharingSession:
+    """The trainer's session: its models on the kernel the config asks for (`"auto"`: chosen here, and measured per
+    micro-batch against the other candidates, `tuning.py`)."""
+    args = trainer.args
+    requested = args.prefix_sharing_attn_implementation
+    dtype = attention_dtype(models[0], trainer.accelerator.mixed_precision)
+    backend = choose_backend(models, requested, trainer.accelerator.device, dtype)
+    join = getattr(args, "prefix_sharing_join", "prompts")
+    alternatives, stock_rows = _measured_candidates(trainer, models, requested, join, dtype)
+    return PrefixSharingSession(
+        models,
+        trainer.processing_class,
+        backend,
+        pad_to_multiple_of=getattr(args, "pad_to_multiple_of", None),
+        fuse_lm_head=trainer._fuse_lm_head,
+        checks=getattr(args, "prefix_sharing_checks", None),
+        autocast=trainer.accelerator.autocast,
+        join=join,
+        alternatives=alternatives,
+        stock_rows=stock_rows,
+    )
+
+
+class PrefixSharingMixin:
     """Placed before TRL's trainer class (and after `PackingMixin`). A trainer calls `_init_prefix_sharing(...)` before
-    TRL's `__init__` and `_finish_prefix_sharing_init()` after it; its session is then `self.sharing_session` and its
-    start-up check `self.model_check` (both None while the trainer runs as stock TRL), and it calls
-    `_startup_check(...)` on the stock rows of a batch before it lays them out."""
+    TRL's `__init__` and `_finish_prefix_sharing_init()` after it, and `_startup_check(...)` on the stock rows of a
+    batch before it lays them out. It delegates to named objects: `sharing_session` (the models, their kernel and
+    patches, the layouts), `model_check` (the start-up check; both None while the trainer runs as stock TRL),
+    `shared_positions` (what sharing saves, logged) and `patch_scope` (the patches for the length of `train()`,
+    `evaluate()` and `predict()`)."""
 
     #: the config class with the prefix-sharing fields (set by each trainer)
     _config_class: type
@@ -228,28 +242,15 @@ class PrefixSharingMixin(_ArgumentsChecked, _PositionsLogged, _PatchedWhileRunni
         processor and the `datasets`, {"train": ..., "eval": ...})."""
         self.sharing_session = None
         self.model_check = None
-        self._sharing_scope_depth = 0
-        self._shared_positions = None
-        self._sharing_logged = False
+        self.shared_positions = SharedPositions(self)
+        self.patch_scope = PatchScope(self)
         self._dataset_sizes = {}
         warn_if_not_our_config(args, self._config_class, type(self).__name__)
         warn_if_fewer_processes_than_asked()
         self._prefix_sharing = bool(getattr(args, "prefix_sharing", False))
         self._init_packing(args)
         if self._uses_layout:
-            if not isinstance(args, self._config_class):
-                raise TypeError(
-                    f"`prefix_sharing`/`packing` need `trl_prefix_sharing.{self._config_class.__name__}` as `args`."
-                )
-            check_model_and_processor(
-                type(self).__name__,
-                model,
-                processing_class,
-                peft_config,
-                getattr(args, "trust_remote_code", False),
-                self._supports_vision,
-            )
-            self._check_datasets(datasets or {})
+            self._dataset_sizes = _check_arguments(self, model, args, processing_class, peft_config, datasets or {})
 
     def _init_packing(self, args) -> None:
         """Packing's options (see `PackingMixin`); trainers without packing have none."""
@@ -269,40 +270,16 @@ class PrefixSharingMixin(_ArgumentsChecked, _PositionsLogged, _PatchedWhileRunni
         """Prefix sharing and packing both run the model on the shared layout."""
         return self.prefix_sharing or self.packing
 
-    def _layout_models(self) -> list:
-        models = [unwrap_model(self.model)]
-        if getattr(self, "ref_model", None) is not None:
-            models.append(unwrap_model(self.ref_model))
-        return models
-
     def _setup_prefix_sharing(self) -> None:
         """After TRL's `__init__` (or from inside it, on first use): the session, the start-up check, and for
         preference trainers the collator. Idempotent."""
         if self.sharing_session is not None or not self._uses_layout:
             return
-        models = self._layout_models()
-        check_adapter(models[0])
-        check_no_dropout(models[0])
+        models = _checked_models(self)
         name = type(self).__name__
         reasons = [check_architecture(model.config, name, self._supports_vision) for model in models]
         self.model_check = StartupCheck(models, reasons, getattr(self.args, "prefix_sharing_model_check", "auto"))
-        requested = self.args.prefix_sharing_attn_implementation
-        dtype = attention_dtype(models[0], self.accelerator.mixed_precision)
-        backend = choose_backend(models, requested, self.accelerator.device, dtype)
-        join = getattr(self.args, "prefix_sharing_join", "prompts")
-        alternatives, stock_rows = _measured_candidates(self, models, requested, join, dtype)
-        self.sharing_session = PrefixSharingSession(
-            models,
-            self.processing_class,
-            backend,
-            pad_to_multiple_of=getattr(self.args, "pad_to_multiple_of", None),
-            fuse_lm_head=self._fuse_lm_head,
-            checks=getattr(self.args, "prefix_sharing_checks", None),
-            autocast=self.accelerator.autocast,
-            join=join,
-            alternatives=alternatives,
-            stock_rows=stock_rows,
-        )
+        self.sharing_session = _new_session(self, models)
         self._setup_collator()
         self.add_callback(_ForwardInPlace(self))
         if self.prefix_sharing and self._resumes_shared_positions:
@@ -324,7 +301,17 @@ class PrefixSharingMixin(_ArgumentsChecked, _PositionsLogged, _PatchedWhileRunni
         self._setup_prefix_sharing()
         if self.sharing_session is not None:
             self.sharing_session.detach()
-        self._check_rows_left()
+        datasets = {"train": self.train_dataset, "eval": self.eval_dataset}
+        check_rows_left(self._dataset_sizes, datasets, type(self).__name__, getattr(self.args, "max_length", None))
+
+    def _init_prefix_sharing_from(self, args: tuple, kwargs: dict) -> None:
+        """`_init_prefix_sharing` with the arguments a trainer's `__init__` got and hands on to TRL's as they are,
+        read by the names of TRL's `__init__`."""
+        trl_class = next(cls for cls in type(self).__mro__ if cls.__module__.startswith("trl."))
+        given = inspect.signature(trl_class.__init__).bind(self, *args, **kwargs).arguments
+        datasets = {"train": given.get("train_dataset"), "eval": given.get("eval_dataset")}
+        names = ("model", "args", "processing_class", "peft_config")
+        self._init_prefix_sharing(*(given.get(name) for name in names), datasets)
 
     def _setup_collator(self) -> None:
         """Preference trainers wrap their collator (see `PreferenceSharingMixin`); online trainers lay out in the
@@ -340,7 +327,25 @@ class PrefixSharingMixin(_ArgumentsChecked, _PositionsLogged, _PatchedWhileRunni
             self.data_collator = self.data_collator.base_collator
         self._prefix_sharing = False
         self._packing = False
-        self._shared_positions = None
+        self.shared_positions.total = None
+
+    def train(self, *args, **kwargs):
+        with self.patch_scope():
+            return super().train(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        with self.patch_scope():
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        with self.patch_scope():
+            return super().predict(*args, **kwargs)
+
+    def log(self, logs, start_time=None):
+        total = self.shared_positions.total if self.sharing_session is not None else None
+        if total is not None and self.model.training:
+            logs = {**logs, "num_shared_tokens": int(total)}
+        return super().log(logs, start_time)
 
     def end(self) -> None:
         """Finish the trackers and destroy the process group, as transformers' `Trainer.end()` (TRL's scripts call it
