@@ -10,8 +10,9 @@ import torch
 import trl
 from datasets import Dataset
 
-from trl_prefix_sharing import DPOConfig, DPOTrainer
+from trl_prefix_sharing import DPOConfig
 from trl_prefix_sharing.testing import make_model
+from trl_prefix_sharing.testing.trainers import build_trainer
 
 
 _counter = itertools.count()
@@ -97,21 +98,23 @@ def make_trainers(
     if model is None:
         model = make_model(family, len(tokenizer), seed=0, **config_kwargs)
     ref = make_model(family, len(tokenizer), seed=1, **config_kwargs) if ref_model == "copy" else ref_model
-    trainers = []
-    for options in (None, ours or {"prefix_sharing": True}):
-        cls = trl.DPOTrainer if options is None else DPOTrainer
-        trainers.append(
-            cls(
-                model=copy.deepcopy(model) if not isinstance(model, str) else model,
-                ref_model=copy.deepcopy(ref) if ref is not None else None,
-                args=dpo_args(tmp_path, options, **overrides),
-                train_dataset=dataset,
-                eval_dataset=eval_dataset,
-                processing_class=tokenizer,
-                peft_config=copy.deepcopy(peft_config),
-            )
+    return [
+        build_trainer(
+            "dpo",
+            stock=options is None,
+            model=model if isinstance(model, str) else copy.deepcopy(model),
+            ref_model=copy.deepcopy(ref) if ref is not None else None,
+            tokenizer=tokenizer,
+            train_dataset=dataset,
+            eval_dataset=eval_dataset,
+            peft_config=peft_config,
+            copy_models=False,
+            quiet=False,
+            **_common_args(tmp_path, overrides),
+            **(options or {}),
         )
-    return trainers
+        for options in (None, ours or {"prefix_sharing": True})
+    ]
 
 
 def backward_grads(model, loss) -> dict:
@@ -270,26 +273,25 @@ def make_reward_trainers(
 ):
     """(stock TRL RewardTrainer, ours) from identical weights. `stock_dataset`: what stock trains on (e.g. the
     expanded pairs of a ranked dataset)."""
-    from trl_prefix_sharing import RewardTrainer
-
     model = make_reward_model(family, tokenizer, **(config_kwargs or {}))
-    trainers = []
-    for options, data in (
-        (None, stock_dataset if stock_dataset is not None else dataset),
-        (ours or {"prefix_sharing": True}, dataset),
-    ):
-        cls = trl.RewardTrainer if options is None else RewardTrainer
-        trainers.append(
-            cls(
-                model=copy.deepcopy(model),
-                args=reward_args(tmp_path, options, **overrides),
-                train_dataset=data,
-                eval_dataset=eval_dataset,
-                processing_class=tokenizer,
-                peft_config=copy.deepcopy(peft_config),
-            )
+    return [
+        build_trainer(
+            "reward",
+            stock=options is None,
+            model=model,
+            tokenizer=tokenizer,
+            train_dataset=data,
+            eval_dataset=eval_dataset,
+            peft_config=peft_config,
+            quiet=False,
+            **_common_args(tmp_path, overrides),
+            **(options or {}),
         )
-    return trainers
+        for options, data in (
+            (None, stock_dataset if stock_dataset is not None else dataset),
+            (ours or {"prefix_sharing": True}, dataset),
+        )
+    ]
 
 
 def reward_step(trainer, examples, pairs_in_window=None):

@@ -6,19 +6,14 @@ import itertools
 import random
 
 import torch
-import trl
 from datasets import Dataset
 from equivalence import CPU_RUN, assert_same_number
 
-from trl_prefix_sharing import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trl_prefix_sharing.testing import make_model
+from trl_prefix_sharing.testing.trainers import build_trainer
 
 
 _counter = itertools.count()
-TRAINERS = {
-    "grpo": (trl.GRPOTrainer, trl.GRPOConfig, GRPOTrainer, GRPOConfig),
-    "rloo": (trl.RLOOTrainer, trl.RLOOConfig, RLOOTrainer, RLOOConfig),
-}
 #: logged values that are not numbers of the training (wall-clock time)
 UNCOMPARED = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos"}
 
@@ -57,8 +52,8 @@ def save_model(directory, family, tokenizer, seed=0, **config_kwargs) -> str:
     return path
 
 
-def group_args(config_cls, tmp_path, ours: bool | dict, **overrides):
-    """The group trainers' test config; `ours`: prefix sharing on (True, or a dict of our config's own fields)."""
+def group_fields(tmp_path, ours: bool | dict, **overrides) -> dict:
+    """The group trainers' test config fields; `ours`: prefix sharing on (True, or a dict of our config's fields)."""
     kwargs = dict(
         output_dir=str(tmp_path / f"run{next(_counter)}"),
         per_device_train_batch_size=8,
@@ -70,19 +65,26 @@ def group_args(config_cls, tmp_path, ours: bool | dict, **overrides):
     )
     kwargs.update(overrides)
     ours = {"prefix_sharing": True, **(ours if isinstance(ours, dict) else {})} if ours else {}
-    return config_cls(**kwargs, **ours)
+    return {**kwargs, **ours}
+
+
+def group_args(config_cls, tmp_path, ours: bool | dict, **overrides):
+    """The group trainers' test config (`group_fields`) as `config_cls`."""
+    return config_cls(**group_fields(tmp_path, ours, **overrides))
 
 
 def make_group_trainer(kind, ours, model, dataset, tokenizer, tmp_path, peft_config=None, **overrides):
-    stock_cls, stock_config, our_cls, our_config = TRAINERS[kind]
-    cls, config = (our_cls, our_config) if ours else (stock_cls, stock_config)
-    return cls(
+    return build_trainer(
+        kind,
+        stock=not ours,
         model=model,
-        reward_funcs=[reward_length, reward_digits],
-        args=group_args(config, tmp_path, ours, **overrides),
+        tokenizer=tokenizer,
         train_dataset=dataset,
-        processing_class=tokenizer,
+        reward_funcs=[reward_length, reward_digits],
         peft_config=peft_config,
+        copy_models=False,
+        quiet=False,
+        **group_fields(tmp_path, ours, **overrides),
     )
 
 
