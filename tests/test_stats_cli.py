@@ -78,7 +78,7 @@ def test_stats_reports_whether_it_pays(workspace):
         "verdict: prefix sharing pays",
     ):
         assert text in proc.stdout
-    from trl_prefix_sharing.cli.stats import measured_speedups
+    from trl_prefix_sharing.cli.stats.speedups import measured_speedups
 
     for mode, record in measured_speedups().items():  # the expectation quotes every recorded benchmark
         assert f"{mode.upper()} ({record['device']}; " in proc.stdout
@@ -173,7 +173,7 @@ def test_group_defaults_are_trls():
 
     import trl
 
-    from trl_prefix_sharing.cli.stats import MAX_COMPLETION_LENGTH, NUM_GENERATIONS
+    from trl_prefix_sharing.cli.stats.defaults import MAX_COMPLETION_LENGTH, NUM_GENERATIONS
 
     for name, config in (("grpo", trl.GRPOConfig), ("rloo", trl.RLOOConfig)):
         defaults = {f.name: f.default for f in dataclasses.fields(config)}
@@ -560,7 +560,8 @@ def model_dirs(workspace, tokenizer):
 def test_stats_refuses_a_model_training_refuses(model_dirs, tokenizer, capsys, monkeypatch, trainer):
     """A Mamba model: one error line with training's own refusal (what `check_model_and_processor` raises when a
     trainer is built with prefix sharing), exit status 2, and no report or verdict."""
-    from trl_prefix_sharing.cli.stats import TRAINER_CLASSES, main
+    from trl_prefix_sharing.cli.stats import main
+    from trl_prefix_sharing.cli.stats.defaults import TRAINER_CLASSES
     from trl_prefix_sharing.support import check_model_and_processor
 
     path = str(model_dirs / "mamba")
@@ -653,43 +654,43 @@ def test_stats_expected_speedup_is_never_above_its_ideal_unexplained(workspace, 
 def test_expected_speedup_is_capped_at_the_ideal_with_padding(monkeypatch):
     """A record without the ideal with padding gives the share of the padding-free ideal, which can exceed 1: the
     expectation is then capped at the ideal with padding, and each line says where it stands."""
-    from trl_prefix_sharing.cli import stats
+    from trl_prefix_sharing.cli.stats import speedups
 
     profile = {"p_over_c": 2.0, "share_of_ideal": 1.09, "sharing": 1.5, "sharing+packing": 1.9}
     record = {"device": "CPU", "model": "tiny", "dpo": {"old": profile}}
-    monkeypatch.setattr(stats, "measured_speedups", lambda: {"cpu": record})
-    lines, values = stats.expected_speedups("dpo", 2.0, 1.0, 1.05)
+    monkeypatch.setattr(speedups, "measured_speedups", lambda: {"cpu": record})
+    lines, values = speedups.expected_speedups("dpo", 2.0, 1.0, 1.05)
     assert values == [1.05] and "~1.05x (the ideal x 1.09" in lines[0]
     assert "capped at the ideal with padding, 1.05x" in lines[0] and "above the padding-free ideal 1.00x" in lines[0]
     record["dpo"]["old"] = {**profile, "padded_ideal": 1.6}  # the share of the ideal with padding: 1.5 / 1.6
-    lines, values = stats.expected_speedups("dpo", 2.0, 1.3, 1.2)
+    lines, values = speedups.expected_speedups("dpo", 2.0, 1.3, 1.2)
     assert values == [pytest.approx(1.2 * 1.5 / 1.6)] and "the ideal with padding x 0.94" in lines[0]
     assert "capped" not in lines[0] and "above the padding-free ideal" not in lines[0]
-    lines, values = stats.expected_speedups("kto", 2.0, 1.3, 1.2)
+    lines, values = speedups.expected_speedups("kto", 2.0, 1.3, 1.2)
     assert lines == ["    no KTO benchmark recorded"] and values == []
 
 
 def test_expected_speedup_is_never_below_stock(monkeypatch):
     """A profile measured slower than stock (short prompts on a fast device): training's `"auto"` runs stock's own
     rows there, so the expectation is 1.00x, and the line gives what a fixed kernel would run."""
-    from trl_prefix_sharing.cli import stats
+    from trl_prefix_sharing.cli.stats import speedups
 
     profile = {"p_over_c": 2.0, "sharing": 0.7, "sharing+packing": 0.8, "padded_ideal": 1.4}
     monkeypatch.setattr(
-        stats, "measured_speedups", lambda: {"gpu": {"device": "H200", "model": "0.5B", "dpo": {"p": profile}}}
+        speedups, "measured_speedups", lambda: {"gpu": {"device": "H200", "model": "0.5B", "dpo": {"p": profile}}}
     )
-    lines, values = stats.expected_speedups("dpo", 2.0, 1.3, 1.4)
+    lines, values = speedups.expected_speedups("dpo", 2.0, 1.3, 1.4)
     assert values == [1.0] and "~1.00x" in lines[0]
     assert "below stock's ~0.70x" in lines[0] and "runs stock's own rows" in lines[0]
     profile["sharing"] = 1.2  # a faster one is as measured
-    lines, values = stats.expected_speedups("dpo", 2.0, 1.3, 1.4)
+    lines, values = speedups.expected_speedups("dpo", 2.0, 1.3, 1.4)
     assert values == [pytest.approx(1.2)] and "stock's own rows" not in lines[0]
 
 
 def test_recorded_speedups_hold_the_ideal_with_padding():
     """Every recorded profile has its ideal with padding (stock / shared positions per pair of the same benchmark
     run, `docs/benchmarks/cpu.json`), and training reached at most that ideal: no expectation needs capping."""
-    from trl_prefix_sharing.cli.stats import measured_speedups
+    from trl_prefix_sharing.cli.stats.speedups import measured_speedups
 
     run = json.loads((Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "cpu.json").read_text())
     recorded = measured_speedups()["cpu"]

@@ -136,7 +136,7 @@ def test_stats_sft_text_matches_a_hand_count(model_dir, tmp_path, capsys):
 
 def test_stats_sft_joins_are_the_layouts():
     """`--prefix_sharing_join`'s values are the layout's."""
-    from trl_prefix_sharing.cli.stats import SFT_JOIN, SFT_JOINS
+    from trl_prefix_sharing.cli.stats.defaults import SFT_JOIN, SFT_JOINS
     from trl_prefix_sharing.config import SFTConfig
     from trl_prefix_sharing.trie import JOINS
 
@@ -191,7 +191,8 @@ def test_stats_sft_counts_what_a_training_run_logs(tokenizer, tmp_path, rows, jo
     from datasets import Dataset
 
     from trl_prefix_sharing import SFTConfig, SFTTrainer
-    from trl_prefix_sharing.cli.stats import _measure_sft, sft_trainer
+    from trl_prefix_sharing.cli.stats.counting import _measure_sft
+    from trl_prefix_sharing.cli.stats.preprocessing import sft_trainer
     from trl_prefix_sharing.testing import make_model
 
     dataset, batch_size = Dataset.from_list(rows), 3  # the first micro-batch holds rows of two prompts

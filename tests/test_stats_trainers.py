@@ -71,7 +71,7 @@ def assert_kto_is_trls(ours, expected, tokenizer, max_length, batch_size):
     import torch
     from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
 
-    from trl_prefix_sharing.cli.stats import kto_rows
+    from trl_prefix_sharing.cli.stats.counting import kto_rows
 
     names = ["prompt_ids", "completion_ids", "KL_completion_ids"]
     assert _columns(ours, names) == _columns(expected, names)
@@ -100,7 +100,7 @@ def test_stats_kto_preprocessing_is_trls(tokenizer, tmp_path, name, limits):
     import datasets
     import trl
 
-    from trl_prefix_sharing.cli.stats import kto_dataset
+    from trl_prefix_sharing.cli.stats.preprocessing import kto_dataset
 
     max_length, batch_size = limits
     if name == "chat_thinking":
@@ -127,20 +127,20 @@ def test_a_wrong_kto_count_fails_the_comparison(tokenizer, tmp_path, monkeypatch
     import datasets
     import trl
 
-    from trl_prefix_sharing.cli import stats
+    from trl_prefix_sharing.cli.stats import counting, preprocessing
 
     dataset = datasets.Dataset.from_list(_KTO["unpaired"])
     config = _config(trl.KTOConfig, tmp_path, max_length=7, per_device_train_batch_size=3)
     expected = _trl_kto(dataset, tokenizer, config)
-    ours = stats.kto_dataset(dataset, tokenizer, 7, 3)
+    ours = preprocessing.kto_dataset(dataset, tokenizer, 7, 3)
     assert_kto_is_trls(ours, expected, tokenizer, 7, 3)
     other_way = ours.map(
         lambda b: {"KL_completion_ids": b["completion_ids"][1:] + b["completion_ids"][:1]}, batched=True, batch_size=3
     )
     with pytest.raises(AssertionError):
         assert_kto_is_trls(other_way, expected, tokenizer, 7, 3)
-    rows = stats.kto_rows
-    monkeypatch.setattr(stats, "kto_rows", lambda batch, max_length: rows(batch, max_length - 1))  # one short
+    rows = counting.kto_rows
+    monkeypatch.setattr(counting, "kto_rows", lambda batch, max_length: rows(batch, max_length - 1))  # one short
     with pytest.raises(AssertionError):
         assert_kto_is_trls(ours, expected, tokenizer, 7, 3)
 
@@ -164,7 +164,7 @@ def _trl_paired(kind, dataset, tokenizer, tmp_path, max_length, model):
 def assert_paired_is_trls(ours, trainer, batch_size=2):
     """The columns, then the rows TRL's collator and `concatenated_inputs` build of each micro-batch, equal
     `stats`' rows."""
-    from trl_prefix_sharing.cli.stats import paired_rows
+    from trl_prefix_sharing.cli.stats.counting import paired_rows
 
     expected = trainer.train_dataset
     names = ["prompt_input_ids", "chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"]
@@ -204,7 +204,8 @@ def test_stats_paired_preprocessing_is_trls(tokenizer, tiny_model, tmp_path, kin
     cut to fit `max_length`, never the prompt; `max_length=None` is TRL's 512)."""
     import datasets
 
-    from trl_prefix_sharing.cli.stats import ORPO_DEFAULT_LENGTH, paired_dataset
+    from trl_prefix_sharing.cli.stats.defaults import ORPO_DEFAULT_LENGTH
+    from trl_prefix_sharing.cli.stats.preprocessing import paired_dataset
 
     dataset = datasets.Dataset.from_list(_PAIRED[name])
     trainer = _trl_paired(kind, dataset, tokenizer, tmp_path, max_length, copy.deepcopy(tiny_model))
@@ -224,11 +225,11 @@ def test_a_wrong_paired_count_fails_the_comparison(tokenizer, tiny_model, tmp_pa
     the rows differ from TRL's."""
     import datasets
 
-    from trl_prefix_sharing.cli import stats
+    from trl_prefix_sharing.cli.stats import counting, preprocessing
 
     dataset = datasets.Dataset.from_list(_PAIRS)
     trainer = _trl_paired("orpo", dataset, tokenizer, tmp_path, 7, copy.deepcopy(tiny_model))
-    ours = stats.paired_dataset(dataset, tokenizer, "orpo", 7)
+    ours = preprocessing.paired_dataset(dataset, tokenizer, "orpo", 7)
     assert_paired_is_trls(ours, trainer)
     cut_prompt = ours.map(
         lambda ex: {
@@ -238,8 +239,8 @@ def test_a_wrong_paired_count_fails_the_comparison(tokenizer, tiny_model, tmp_pa
     )
     with pytest.raises(AssertionError):
         assert_paired_is_trls(cut_prompt, trainer)
-    rows = stats.paired_rows
-    monkeypatch.setattr(stats, "paired_rows", lambda batch: rows(batch[:-1]))
+    rows = counting.paired_rows
+    monkeypatch.setattr(counting, "paired_rows", lambda batch: rows(batch[:-1]))
     with pytest.raises(AssertionError):
         assert_paired_is_trls(ours, trainer)
 
@@ -372,7 +373,7 @@ def test_stats_online_dpo_tokenizes_prompts_as_trl(tokenizer, tok_dir, tmp_path,
     import datasets
     from trl.data_utils import maybe_apply_chat_template
 
-    from trl_prefix_sharing.cli.stats import prompt_lengths
+    from trl_prefix_sharing.cli.stats.preprocessing import prompt_lengths
 
     rows = [{"prompt": [_user("w1 w2")]}, {"prompt": "w1 w2 w3"}, {"prompt": [_user("w1"), _assistant("w2")]}]
     lengths, conversational = prompt_lengths(datasets.Dataset.from_list(rows[:1] + rows[2:]), tokenizer, online=True)
@@ -393,7 +394,13 @@ def test_stats_defaults_are_trls():
     from trl.experimental.online_dpo import OnlineDPOConfig
     from trl.experimental.orpo import ORPOConfig
 
-    from trl_prefix_sharing.cli.stats import BATCH_SIZE, MAX_LENGTHS, MAX_NEW_TOKENS, NUM_GENERATIONS, TRUNCATION_MODE
+    from trl_prefix_sharing.cli.stats.defaults import (
+        BATCH_SIZE,
+        MAX_LENGTHS,
+        MAX_NEW_TOKENS,
+        NUM_GENERATIONS,
+        TRUNCATION_MODE,
+    )
 
     configs = {
         "dpo": trl.DPOConfig,
@@ -424,7 +431,7 @@ def test_stats_plan_counts_are_the_layouts(score_padding):
 
     import torch
 
-    from trl_prefix_sharing.cli.stats import plan_rows
+    from trl_prefix_sharing.cli.stats.counting import plan_rows
     from trl_prefix_sharing.layout import build_layout, shared_positions
     from trl_prefix_sharing.trie import StockRows
 

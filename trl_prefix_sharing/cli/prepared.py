@@ -4,7 +4,7 @@
 dataset (TRL's preparation runs in TRL's `__init__`) and holds the collator that lays out each micro-batch in training.
 The model is a stand-in: one layer eight wide with the tokenizer's vocabulary, built in milliseconds. Preparing and
 laying out data read the tokenizer and the config, never a model's weights, so the user's model is only checked, on
-its own (`stats.check_model`), and never loaded.
+its own (`stats.loading.check_model`), and never loaded.
 """
 
 from __future__ import annotations

@@ -1,0 +1,91 @@
+"""`trl-prefix-sharing stats`: does prefix sharing pay on this dataset? Loads the tokenizer and the model's config (no
+weights), and applies training's architecture check first: a model training refuses (Mamba, an encoder, ...) is an
+error naming the reason, never a verdict.
+
+Data with its completions (`--trainer dpo`, `reward`, `kto`, `orpo` or `cpo`): the trainer itself, built on a tiny
+stand-in model (`cli/prepared.py`), prepares the dataset (TRL's own preprocessing and truncation), and each example's
+stock rows are laid out as training does. The report gives the lengths of the shared prefix (the prompt plus whatever
+start the example's rows have in common: prefix sharing computes the longest common token prefix of an example's rows
+once) and of the rest of each row, token positions per example with and without sharing, and the predicted speedup.
+Two ideals: the padding-free one (stock / shared tokens, `2(p+c)/(p+2c)` for a pair) and the one with padding (stock's
+padded rows / the shared rows, in batches of `--per_device_train_batch_size`: the positions each really computes).
+The expected speedup is the ideal with padding times the share of it that `python -m benchmarks.dpo --record` measured
+on the benchmark profile whose shared prefix/rest ratio is nearest to this dataset's
+(`trl_prefix_sharing/data/measured_speedups.json`, one entry per device kind measured); it is never printed above the
+ideal with padding, and where it is above the padding-free ideal its line says why (stock also computes its rows'
+padding, which the shared rows drop). Nor is it printed below 1: where the nearest profile measured sharing slower
+than stock, training's `"auto"` (the default kernel choice) measures that on its first micro-batch and runs stock's
+own rows, and the line says so. The verdict takes the lowest of these.
+
+- `dpo`, `reward`: each pair's two rows (or a ranked example's K rows), through the trainer's collator; packing too.
+- `orpo`, `cpo`: TRL's experimental ORPO/CPO tokenization (`tokenize_row`: BOS added, EOS added, the completions cut to
+  fit `--max_length`, never the prompt); the two rows `[prompt | chosen]`, `[prompt | rejected]`. By default
+  (`--prefix_sharing_score_padding false`, as in training) the shared rows skip stock's padding; with `true` they
+  also compute each stock row's padding (so that the `logits/chosen|rejected` metrics are stock's).
+- `kto`: TRL's KTO tokenization; each example's main row `[prompt | completion]` and its KL row `[prompt | the previous
+  example's completion]` (rotated within batches of `--per_device_train_batch_size`, as TRL does). The reference pass
+  runs both after one copy of the prompt; the policy's gradient pass does so where `--prefix_sharing_merge_kl` merges
+  (by default: when a batch's prompt tokens exceed twice its KL completion tokens), so a training step is reported too.
+
+SFT data (`--trainer sft`: `text`, `messages`, or `prompt` + `completion`, text or conversational): prepared by the
+SFT trainer itself, built on a tiny stand-in model (`cli/prepared.py`), so TRL's own preparation runs (EOS
+added to text, the prompt masked for prompt-completion data as TRL's default `completion_only_loss` does, truncated to
+`--max_length` by `--truncation_mode`). Each example is one row; its prompt
+is its tokens before its first trained label. SFT's sampler is random, so the micro-batches counted are
+`--per_device_train_batch_size` consecutive rows (what `train_sampling_strategy="sequential"` or `group_by_prompt`
+gives), collated by TRL's collator and planned by the package's own layout (the SFT trainer's `PrefixSharingCollator`)
+under `--prefix_sharing_join`: `prompts` joins rows that share a prompt (a prompt's several completions), `always` also
+rows that share only a start (a system prompt, a preamble), `auto` (the default) reports both plans, between which
+training chooses per micro-batch by the step's estimated cost; its verdict takes the prompts plan. No SFT benchmark is
+recorded, so there is no expected speedup.
+
+Prompt-only data (`--trainer grpo`, `rloo` or `online_dpo`): the completions are generated during training, so their
+length is an assumption (`--completion_length`, by default the longest generation: `--max_completion_length`, or
+`--max_new_tokens` for online DPO). Tokenizes the prompts as TRL does and reports, per group of one prompt and its
+completions (`--num_generations`; online DPO: 2), the positions stock TRL computes, G(P + C), against the shared
+layout's, P - 1 + G(C + 1) (the prompt once; each completion headed by a copy of the prompt's last token). Padding is
+not counted.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .arguments import parse_args
+from .defaults import GROUP_TRAINERS
+from .errors import PROG, StatsError, _one_line
+from .loading import _check_columns, check_model, go_offline_if_unreachable, load_split, load_tokenizer
+from .reports import group_report, preference_report, sft_report
+
+
+__all__ = ["main", "run"]
+
+#: set to see the traceback behind an error line
+TRACEBACK_VARIABLE = "TRL_PREFIX_SHARING_TRACEBACK"
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    offline = go_offline_if_unreachable(args.model_name_or_path, args.dataset_name)
+    tokenizer = load_tokenizer(args.model_name_or_path, offline, args.trust_remote_code)
+    args.model_note = check_model(args.model_name_or_path, args.trainer, args.trust_remote_code)
+    dataset = load_split(args, offline)
+    if args.max_examples:
+        dataset = dataset.select(range(min(args.max_examples, len(dataset))))
+    _check_columns(dataset, args)
+    report = group_report if args.trainer in GROUP_TRAINERS else sft_report if args.trainer == "sft" else None
+    (report or preference_report)(dataset, tokenizer, args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `stats`; a user mistake ends in one line on stderr and exit status 2 (`TRL_PREFIX_SHARING_TRACEBACK=1`
+    shows the traceback, as for the training commands)."""
+    try:
+        return run(argv)
+    except (StatsError, ValueError, FileNotFoundError) as error:  # bad data reaches TRL's checks as ValueError
+        if os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0"):
+            raise
+        print(f"{PROG}: error: {_one_line(error)}", file=sys.stderr)
+        return 2

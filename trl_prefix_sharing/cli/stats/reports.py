@@ -1,0 +1,363 @@
+"""The reports `stats` prints, one per kind of data: data with its completions (`preference_report`: DPO, reward,
+KTO, ORPO, CPO), SFT data (`sft_report`), and prompt-only data whose completions are generated during training
+(`group_report`: GRPO, RLOO, online DPO). Each prepares the dataset, counts its positions and prints the lengths,
+the ideal speedups, the expected one where a benchmark is recorded, and the verdict."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from .counting import (
+    _measure_kto,
+    _measure_paired,
+    _measure_preferences,
+    _measure_sft,
+    _packing,
+    _PreferenceCounts,
+    _SFTCounts,
+    _SFTPlanCounts,
+)
+from .defaults import MAX_COMPLETION_LENGTH, MAX_NEW_TOKENS, PAIRED_TRAINERS, PREFERENCE_TRAINERS, TRAINER_CLASSES
+from .errors import StatsError
+from .preprocessing import (
+    _prepared_preferences,
+    _preprocess,
+    _quiet_preprocessing,
+    kto_dataset,
+    paired_dataset,
+    prompt_lengths,
+    sft_trainer,
+)
+from .speedups import expected_speedups
+
+
+def _percentiles(values, points=(10, 50, 90, 99)):
+    ordered = sorted(values)
+    if not ordered:
+        return "-"
+    return ", ".join(f"p{p} {ordered[min(len(ordered) - 1, len(ordered) * p // 100)]}" for p in points)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def _verdict(speedup: float) -> str:
+    return "pays" if speedup >= 1.15 else "pays little" if speedup >= 1.05 else "does not pay"
+
+
+_WIDTH = 42
+
+
+def _line(label: str, text: str) -> None:
+    print(f"  {label:<{_WIDTH}}{text}")
+
+
+def _limits(args) -> str:
+    """How the trainer limits the examples' length, for the report's first line."""
+    max_length = args.max_length or None
+    if args.trainer == "dpo":
+        return f"max_length={max_length}, truncation {args.truncation_mode}"
+    if args.trainer == "reward":
+        return f"max_length={max_length}" + (": longer examples dropped" if max_length else "")
+    if args.trainer == "kto":
+        return (
+            f"max_length={max_length}, truncation keep_start; each KL row: the example's prompt and the completion "
+            f"of the example before it in its batch of {args.per_device_train_batch_size}"
+        )
+    return f"max_length={max_length}: completions cut to fit, never the prompt; BOS and EOS added as TRL does"
+
+
+def _print_lengths(args, counts: _PreferenceCounts) -> None:
+    """The report's lengths and positions per example."""
+    n, batch_size = len(counts.shared_lens), args.per_device_train_batch_size
+    rows = "main and KL rows" if args.trainer == "kto" else "completions"
+    if counts.prompt_lens:
+        _line("prompt tokens:", _percentiles(counts.prompt_lens))
+    _line(
+        "shared prefix tokens, computed once:",
+        f"{_percentiles(counts.shared_lens)} (the prompt + the common start of the {rows})",
+    )
+    if counts.common_lens:
+        _line(f"common start of the {rows}:", f"{_percentiles(counts.common_lens)} (in the shared prefix)")
+    _line("each completion after the shared prefix:", f"{_percentiles(counts.rest_lens)} (tokens, not shared)")
+    per = "positions per example, main and KL rows:" if args.trainer == "kto" else "positions per example:"
+    _line(per, f"stock {counts.stock_tokens / n:.1f}, shared {counts.shared_tokens / n:.1f} (tokens, no padding)")
+    padded = f"stock {counts.stock_padded / n:.1f}, shared {counts.shared_padded / n:.1f}"
+    if args.trainer in PREFERENCE_TRAINERS:
+        _, _, shared_packed = _packing(counts.shared_units, batch_size, n)
+        _, _, unshared_packed = _packing(counts.unshared_units, batch_size, n)
+        padded += f"; packed rows: unshared {unshared_packed:.1f}, shared {shared_packed:.1f}"
+    elif args.trainer in PAIRED_TRAINERS and args.prefix_sharing_score_padding:
+        padded += " (each stock row's padding computed too, as with prefix_sharing_score_padding=True)"
+    _line(f"with padding, batches of {batch_size}:", padded)
+    _line("examples with no shared prefix:", f"{counts.no_prefix:,}")
+    if args.trainer in PREFERENCE_TRAINERS:
+        for name, units in (("shared", counts.shared_units), ("unshared", counts.unshared_units)):
+            length, efficiency, _ = _packing(units, batch_size, n)
+            _line(f"packing, {name} rows of {length} tokens:", f"{100 * efficiency:.1f}% of row tokens used")
+
+
+def _print_speedups(args, counts: _PreferenceCounts) -> list[float]:
+    """The report's ideal speedups; returns the ones the verdict weighs (what training can deliver)."""
+    ideal = counts.stock_tokens / max(counts.shared_tokens, 1)
+    padded = counts.stock_padded / max(counts.shared_padded, 1)
+    batch_size = args.per_device_train_batch_size
+    formula = (
+        "(2p+c+c')/(p+c+c') for an example, p the shared prefix, c and c' the rest of its main and KL completions"
+        if args.trainer == "kto"
+        else "2(p+c)/(p+2c) for a pair, p the shared prefix, c the rest of a completion"
+    )
+    _line("ideal speedup, linear layers:", f"{ideal:.2f}x (stock / shared tokens, padding not counted; {formula})")
+    computed = "stock's padded rows / the shared rows: the positions each computes"
+    if args.trainer in PAIRED_TRAINERS:
+        computed += (
+            "; the shared rows compute each stock row's padding too, prefix_sharing_score_padding=True"
+            if args.prefix_sharing_score_padding
+            else "; the shared rows skip stock's padding, prefix_sharing_score_padding=False"
+        )
+    _line(f"ideal with padding, batches of {batch_size}:", f"{padded:.2f}x ({computed})")
+    if args.trainer in PAIRED_TRAINERS:
+        other = not args.prefix_sharing_score_padding
+        what = (
+            "each stock row's padding computed too, so that the logits/chosen and logits/rejected metrics are stock's"
+            if other
+            else "the padding not computed; only the logits/chosen and logits/rejected metrics change"
+        )
+        _line(
+            f"  prefix_sharing_score_padding={other}:",
+            f"{counts.stock_padded / max(counts.other_padded, 1):.2f}x ({what})",
+        )
+    attention = counts.stock_attention / max(counts.shared_attention, 1)
+    _line("ideal speedup, attention:", f"{attention:.2f}x (stock / shared query-key pairs, padding not counted)")
+    if args.trainer != "kto":
+        return [ideal, padded]
+    step = counts.step_stock / max(counts.step_shared, 1)
+    rule = {
+        None: "when a batch's prompt tokens exceed twice its KL completion tokens",
+        True: "prefix_sharing_merge_kl=True",
+        False: "prefix_sharing_merge_kl=False",
+    }[args.prefix_sharing_merge_kl]
+    _line(
+        "policy's gradient pass with the KL rows:",
+        f"{counts.merged} of {counts.batches:,} batches ({rule}); the others run the main rows and the KL "
+        "rows apart, where different prompts share nothing",
+    )
+    _line(
+        "ideal speedup of a training step:",
+        f"{step:.2f}x (with padding: the policy's main and KL passes and the reference's, a pass with gradients "
+        "weighted 3 for its backward)",
+    )
+    return [ideal, padded, step]
+
+
+def _print_preference_report(args, counts: _PreferenceCounts) -> None:
+    n = len(counts.shared_lens)
+    examples = _count(n, "example")
+    print(f"Dataset {args.dataset_name} ({examples} after TRL's preprocessing; {args.trainer}, {_limits(args)})")
+    _line("model:", args.model_note)
+    _print_lengths(args, counts)
+    figures = _print_speedups(args, counts)
+    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
+    ratio = median(counts.shared_lens) / max(median(counts.rest_lens), 1)
+    print(f"  expected training speedup from sharing (median shared prefix / rest of a completion {ratio:.2f}):")
+    lines, expected = expected_speedups(args.trainer, ratio, figures[0], figures[1])
+    for line in lines:
+        print(line)
+    print(f"  verdict: prefix sharing {_verdict(min(figures + expected))} on this dataset.")
+
+
+def preference_report(dataset, tokenizer, args) -> None:
+    """The report on data with its completions (`--trainer dpo`, `reward`, `kto`, `orpo` or `cpo`): prepared as the
+    trainer prepares it, its stock rows laid out as training lays them out."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    pad, batch_size, max_length = tokenizer.pad_token_id, args.per_device_train_batch_size, args.max_length or None
+    if args.trainer in PREFERENCE_TRAINERS:
+        dataset, base = _prepared_preferences(dataset, tokenizer, args)
+        counts = _measure_preferences(dataset, base, pad, batch_size)
+    elif args.trainer == "kto":
+        with _quiet_preprocessing(dataset):
+            dataset = _preprocess("KTOTrainer", kto_dataset, dataset, tokenizer, max_length, batch_size)
+        counts = _measure_kto(dataset, pad, args) if len(dataset) else _PreferenceCounts()
+    else:
+        with _quiet_preprocessing(dataset):
+            dataset = _preprocess(
+                TRAINER_CLASSES[args.trainer], paired_dataset, dataset, tokenizer, args.trainer, args.max_length
+            )
+        counts = _measure_paired(dataset, pad, batch_size, args.prefix_sharing_score_padding)
+    if not counts.shared_lens:
+        limit = f"longer than --max_length {max_length}" if max_length else "empty after tokenization"
+        raise StatsError(f"no examples left after TRL's preprocessing: all were {limit}; raise --max_length")
+    _print_preference_report(args, counts)
+
+
+def _sft_plan_figures(args, counts: _SFTCounts, plan: _SFTPlanCounts) -> list[float]:
+    """The lines of one join rule's plan; returns its ideals (padding-free, with padding)."""
+    n, batch_size = counts.rows, args.per_device_train_batch_size
+    indent = lambda label, text: print(f"    {label:<{_WIDTH - 2}}{text}")  # noqa: E731
+    ideal = counts.stock_tokens / max(plan.tokens, 1)
+    padded = counts.stock_padded / max(plan.padded, 1)
+    indent(
+        "shared start of a row, computed once:",
+        f"{_percentiles(plan.shared_lens)} (the tokens it has in common with another row of its shared row)",
+    )
+    indent("each row after its shared start:", f"{_percentiles(plan.rest_lens)} (tokens, not shared)")
+    indent("rows sharing a shared row:", f"{plan.joined:,} of {n:,} (the others are laid out alone, as in stock)")
+    indent(
+        "positions per example:",
+        f"stock {counts.stock_tokens / n:.1f}, shared {plan.tokens / n:.1f} (tokens, no padding)",
+    )
+    indent(
+        f"with padding, batches of {batch_size}:", f"stock {counts.stock_padded / n:.1f}, shared {plan.padded / n:.1f}"
+    )
+    indent("ideal speedup, linear layers:", f"{ideal:.2f}x (stock / shared tokens, padding not counted)")
+    indent(
+        f"ideal with padding, batches of {batch_size}:",
+        f"{padded:.2f}x (stock's padded rows / the shared rows: the positions each computes)",
+    )
+    attention = counts.stock_pairs / max(plan.pairs, 1)
+    indent("ideal speedup, attention:", f"{attention:.2f}x (stock / shared query-key pairs, padding not counted)")
+    return [ideal, padded]
+
+
+def _print_sft_report(args, counts: _SFTCounts, completion_only_loss: bool) -> None:
+    n, batch_size = counts.rows, args.per_device_train_batch_size
+    max_length = args.max_length or None
+    loss = "completion_only_loss=True" if completion_only_loss else "trained on every token"
+    print(
+        f"Dataset {args.dataset_name} ({_count(n, 'example')} after TRL's preprocessing; sft, "
+        f"max_length={max_length}, truncation {args.truncation_mode}; {loss})"
+    )
+    _line("model:", args.model_note)
+    _line(
+        "micro-batches:",
+        f"{counts.batches:,} of {batch_size} rows in the dataset's order (SFT's sampler is random: "
+        'these are the batches train_sampling_strategy="sequential" or group_by_prompt gives)',
+    )
+    if counts.prompt_lens:
+        _line("prompt tokens:", f"{_percentiles(counts.prompt_lens)} (a row's tokens before its first trained label)")
+    else:
+        _line(
+            "prompt tokens:",
+            "none: every row trains on all its tokens, so prefix_sharing_join=prompts joins only rows that repeat or "
+            "extend another",
+        )
+    _line("row tokens:", _percentiles(counts.row_lens))
+    figures = {}
+    for join, plan in counts.plans.items():
+        print(f"  prefix_sharing_join={join}:")
+        figures[join] = _sft_plan_figures(args, counts, plan)
+    if args.prefix_sharing_join == "auto":
+        print(
+            "  prefix_sharing_join=auto keeps, per micro-batch, whichever plan the step's estimated cost prefers (a "
+            "dense kernel pays rows x width^2 for attention, FlexAttention the visible pairs): its positions lie "
+            "between the two; the verdict takes the prompts plan"
+        )
+    _line("expected training speedup:", "no SFT benchmark recorded")
+    verdict = figures["prompts" if args.prefix_sharing_join == "auto" else args.prefix_sharing_join]
+    print(f"  verdict: prefix sharing {_verdict(min(verdict))} on this dataset.")
+
+
+def sft_report(dataset, tokenizer, args) -> None:
+    """The report on SFT data (`--trainer sft`): prepared as TRL's SFT trainer prepares it, each micro-batch's rows
+    laid out as training lays them out."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    first = dataset[0]
+    completion_only_loss = "prompt" in first and "completion" in first
+    with _quiet_preprocessing(dataset):
+        trainer = _preprocess(
+            "SFTTrainer",
+            sft_trainer,
+            dataset,
+            tokenizer,
+            args.max_length or None,
+            args.truncation_mode,
+            args.prefix_sharing_join,
+        )
+    counts = _measure_sft(trainer.train_dataset, trainer.data_collator, args.per_device_train_batch_size)
+    _print_sft_report(args, counts, completion_only_loss)
+
+
+def _completion_source(args) -> str:
+    """Where the assumed completion length comes from, for the report."""
+    online = args.trainer == "online_dpo"
+    flag, default, config = (
+        ("--max_new_tokens", MAX_NEW_TOKENS, "OnlineDPOConfig")
+        if online
+        else ("--max_completion_length", MAX_COMPLETION_LENGTH, f"{args.trainer.upper()}Config")
+    )
+    if args.completion_length != args.max_completion_length:
+        return "--completion_length"
+    return (
+        flag
+        + ("" if args.max_completion_length != default else f", TRL's {config} default")
+        + ": completions that stop at EOS are shorter; pass their typical length with --completion_length"
+    )
+
+
+def group_report(dataset, tokenizer, args) -> None:
+    from ...savings import group_stats
+
+    online = args.trainer == "online_dpo"
+    if online:  # the rendering of its prompts re-derived here is still TRL's (the fingerprint of its `_generate`)
+        from trl.import_utils import TRLExperimentalWarning
+
+        from ...trl_internals import check_trl_internals
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TRLExperimentalWarning)  # TRL's notice on importing the trainer
+            check_trl_internals("stats")
+    lengths, conversational = prompt_lengths(dataset, tokenizer, online=online)
+    g, c = args.num_generations, args.completion_length
+    truncated = keep = 0
+    if online:  # TRL cuts the prompts' start so that prompt + completion fit `max_length`
+        keep = max(args.max_length - c, 0)
+        truncated = sum(p > keep for p in lengths)
+        lengths = [min(p, keep) for p in lengths]
+    stats = group_stats(lengths, c, g)
+    if online:
+        tokenized = (
+            "chat template as text, no special tokens added"
+            if conversational
+            else "plain text, no special tokens added"
+        )
+        what = f"online_dpo, {g} completions per prompt, max_length={args.max_length}"
+    else:
+        tokenized = "chat template, add_generation_prompt=True" if conversational else "plain text, no chat template"
+        what = f"{args.trainer}, num_generations={g}"
+    print(f"Dataset {args.dataset_name} ({_count(len(lengths), 'prompt')}; {what})")
+    _line("model:", args.model_note)
+    _line("assumed completion length:", f"{c} tokens each ({_completion_source(args)})")
+    _line("prompt tokens:", f"{_percentiles(lengths)} ({tokenized})")
+    if truncated:
+        _line(
+            "prompts cut to fit --max_length:",
+            f"{truncated:,} (their start dropped, as TRL does: {keep} prompt tokens are left beside the completion)",
+        )
+    print(f"  positions per group (a prompt and its {g} completions; padding not counted):")
+    print(f"    {'stock, G(P+C):':<{_WIDTH - 2}}{stats.stock_per_group:,.1f} ({g} rows of prompt + completion)")
+    print(
+        f"    {'shared, P-1+G(C+1):':<{_WIDTH - 2}}{stats.shared_per_group:,.1f} (the prompt once; each completion "
+        "headed by a copy of the prompt's last token)"
+    )
+    if stats.empty_prompts:
+        _line("prompts with no tokens:", f"{stats.empty_prompts:,} (nothing to share)")
+    _line(
+        "ideal speedup, linear layers:",
+        f"{stats.linear_speedup:.2f}x (stock / shared positions), of the passes that score the completions",
+    )
+    _line("ideal speedup, attention:", f"{stats.attention_speedup:.2f}x (stock / shared query-key pairs)")
+    if online:
+        print(
+            "  the scoring passes: the policy's forward and backward and the reference's log-probs; generation and "
+            "the reward model or judge are not sped up, and often take most of a step"
+        )
+    else:
+        print(
+            "  the scoring passes: training forward and backward, old-policy and reference log-probs; generation is "
+            "not sped up, and often takes most of a step"
+        )
+    name = "online DPO" if online else args.trainer.upper()
+    _line("expected training speedup:", f"no {name} benchmark recorded")
+    print(f"  verdict: prefix sharing {_verdict(stats.linear_speedup)} on the scoring passes on this dataset.")
