@@ -21,8 +21,10 @@ from trl_prefix_sharing.testing import FAMILIES, make_config
 
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # the benchmarks package and the GPU runner
 import gpu_check  # noqa: E402
+
+from benchmarks.gpu import GRPO_PROFILES, Budget, Deadline  # noqa: E402
 
 
 MODELS = ("qwen2.5-0.5b", "llama-3b")
@@ -112,7 +114,7 @@ def test_dry_run_gpu_json_has_cpu_json_schema_plus_versions_and_host_times(dry_r
     assert set(calls) == {"stock", "varlen", "sdpa"} and all(call["host_ms"] > 0 for call in calls.values())
     assert calls["varlen"]["rows"] == 1 and calls["varlen"]["width"] < calls["stock"]["rows"] * calls["stock"]["width"]
     grpo = data["grpo"]["qwen2.5-0.5b"]
-    assert set(grpo) == set(gpu_check.GRPO_PROFILES)
+    assert set(grpo) == set(GRPO_PROFILES)
     for result in grpo.values():
         assert result["ideal"] > 1 and result["speedup"] > 0 and result["layout_host_ms_per_step"] > 0
         assert result["mask_host_ms_per_step"] > 0
@@ -199,14 +201,14 @@ def test_merge_sums_test_runs_over_parts_of_the_file(dry_run, tmp_path):
 
 def test_budget_skips_what_would_overrun_and_keeps_going_after_a_failure():
     data = {"not_run": [], "errors": []}
-    budget = gpu_check.Budget(gpu_check.Deadline(0), data, cuda=False)
+    budget = Budget(Deadline(0), data, cuda=False)
 
     def fails():
         raise RuntimeError("out of memory")
 
     assert budget.run("first", fails) is None and budget.run("second", lambda x: x + 1, 1) == 2
     assert data["errors"] == [{"unit": "first", "error": "RuntimeError: out of memory"}] and not data["not_run"]
-    budget = gpu_check.Budget(gpu_check.Deadline(100), data, cuda=False)
+    budget = Budget(Deadline(100), data, cuda=False)
     budget.longest = 80  # the next unit would need 120 s
     assert budget.run("third", lambda: 1) is None and data["not_run"] == ["third"]
 

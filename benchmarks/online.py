@@ -1,9 +1,9 @@
 """Stock TRL vs prefix sharing for the online trainers (GRPO, online DPO): training-step time, its share of the ideal,
 activation memory.
 
-    python scripts/benchmark_online.py --trainer grpo --out docs/benchmarks         # CPU, ~3 minutes on 2 idle cores
-    python scripts/benchmark_online.py --trainer online_dpo --out docs/benchmarks   # G = 2, under a minute
-    python scripts/benchmark_online.py --model smollm2 --trainer grpo --profiles math-reasoning,qa --generations 4,8 \
+    python -m benchmarks.online --trainer grpo --out docs/benchmarks         # CPU, ~3 minutes on 2 idle cores
+    python -m benchmarks.online --trainer online_dpo --out docs/benchmarks   # G = 2, under a minute
+    python -m benchmarks.online --model smollm2 --trainer grpo --profiles math-reasoning,qa --generations 4,8 \
         --groups-per-step 1 --micro-batches 1 --repeats 3 --out docs/benchmarks/smollm2   # a real model, ~8 minutes
 
 For each profile (median prompt and completion lengths with prompt/completion ratios of about 0.3, 1, 4 and 16) and
@@ -12,12 +12,12 @@ exactly as TRL's `_generate_and_score_completions` returns it (left-padded promp
 advantages, `num_items_in_batch`): random token ids of the tokenizer's vocabulary (its special tokens left out), padded
 with its pad token, each completion ending with its EOS, so lengths are tokens. `--model smollm2` runs
 SmolLM2-135M-Instruct's trained weights and tokenizer instead of a small random Llama (`--family/--hidden-size/
---layers`). The same micro-batches go through both trainers' training step (GRPO: TRL's
-`compute_loss` and backward, `--beta > 0` adds the reference pass, as TRL computes it before the step; online DPO:
-TRL's `_forward` of the policy with backward, and of the reference). Timed repeats
-of the variants are interleaved (rotating order) and the median taken: ratios from one run, since the machine is
-noisy. Generation (the model's own `generate` of the same lengths, which prefix sharing does not change) is timed once
-per profile to report the speedup with generation included.
+--layers`). The same micro-batches go through the training step of stock TRL's trainer and of this package's with
+prefix sharing, both from the same weights (GRPO: TRL's `compute_loss` and backward, `--beta > 0` adds the reference
+pass, as TRL computes it before the step; online DPO: TRL's `_forward` of the policy with backward, and of the
+reference). Timed repeats of the variants are interleaved (rotating order) and the median taken: ratios from one run,
+since the machine is noisy. Generation (the model's own `generate` of the same lengths, which prefix sharing does not
+change) is timed once per profile to report the speedup with generation included.
 
 Positions are counted per micro-batch as the step runs it (online DPO: after TRL's left truncation to `max_length`):
 stock's padded rows (rows x width) and its real tokens (online DPO: the positions stock scores, its completions'
@@ -27,27 +27,27 @@ shared real: what computing each prompt once saves, `G(P+C) / (P+GC)` for equal 
 shared padded: the positions the two forwards run, padding and sharing together; the *share of ideal* is the step
 speedup over it. *Dense attention* = stock / shared attention scores of a dense mask (rows x width^2 per layer and
 head, what SDPA computes on CPU): lower than the ideal where the shared rows are longer than stock's
-(completion-heavy groups). Activation memory: bytes autograd saves for backward in one step. Writes
-`<trainer>_<mode>.md` and `.json`.
+(completion-heavy groups). Activation memory: bytes autograd saves for backward in one step, the second (`"auto"`
+measures its kernels in the first, passes that are not the step's). Writes `<trainer>_<mode>.md` and
+`<trainer>_<mode>.json` (`benchmarks.results`' schema, with the settings and versions).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
 import random
-import shlex
 import statistics
-import sys
 import tempfile
 import time
 import zlib
 
+from trl_prefix_sharing.testing.trainers import build_trainer
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark import add_model_options, build_model, check_model_options, describe_smollm2, quiet_setup  # noqa: E402
+from .data import lognormal
+from .measure import SavedTensors, clone_batch, interleave
+from .models import add_model_options, build_model, check_model_options, describe_smollm2, quiet_setup
+from .results import command_line, markdown_table, versions, write_result
 
 
 TITLES = {"grpo": "GRPO", "online_dpo": "Online DPO"}
@@ -58,10 +58,7 @@ STEPS = {
 DPO_REAL = " (real: what stock scores, its completions' trailing padding included, which the shared layout scores too)"
 # median (prompt, completion) tokens: reasoning (long answers), chat, QA, long-context QA
 PROFILES = {"math-reasoning": (128, 384), "chat": (256, 256), "qa": (1024, 256), "long-context-qa": (2048, 128)}
-
-
-def lognormal(rng, median, sigma=0.4):
-    return max(1, min(3 * median, round(median * rng.lognormvariate(0, sigma))))
+VARIANTS = ("stock", "sharing")
 
 
 def first_plain_id(tokenizer):
@@ -70,12 +67,13 @@ def first_plain_id(tokenizer):
     return max(8, max(special, default=0) + 1)
 
 
-def generation_batch(profile, groups, g, scale, vocab, pad, eos, seed, device, low=8):
-    """Rows of `groups` prompts x `g` generations, as TRL's generation step returns them: token ids drawn from
-    `[low, vocab)` (above the special tokens), `pad` padding, each completion ending with `eos`."""
+def generation_batch(profile, groups, g, scale, tokenizer, seed, device):
+    """Rows of `groups` prompts x `g` generations, as TRL's generation step returns them: token ids of `tokenizer`'s
+    vocabulary above its special tokens, its pad token as padding, each completion ending with its EOS."""
     import torch
     from trl.trainer.utils import pad as pad_tensors
 
+    low, vocab, pad, eos = first_plain_id(tokenizer), len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id
     rng = random.Random(seed)
     p_median, c_median = (max(1, round(n * scale)) for n in PROFILES[profile])
     prompts, completions = [], []
@@ -84,22 +82,18 @@ def generation_batch(profile, groups, g, scale, vocab, pad, eos, seed, device, l
         for _ in range(g):
             prompts.append(prompt)
             completions.append([rng.randrange(low, vocab) for _ in range(lognormal(rng, c_median) - 1)] + [eos])
-    prompt_ids = pad_tensors([torch.tensor(p) for p in prompts], padding_value=pad, padding_side="left")
-    prompt_mask = pad_tensors(
-        [torch.ones(len(p), dtype=torch.long) for p in prompts], padding_value=0, padding_side="left"
-    )
-    completion_ids = pad_tensors([torch.tensor(c) for c in completions], padding_value=pad, padding_side="right")
-    completion_mask = pad_tensors(
-        [torch.ones(len(c), dtype=torch.long) for c in completions], padding_value=0, padding_side="right"
-    )
-    advantages = torch.tensor([rng.gauss(0, 1) for _ in prompts])
+
+    def padded(rows, value, side):
+        return pad_tensors([torch.tensor(row) for row in rows], padding_value=value, padding_side=side).to(device)
+
+    completion_mask = padded([[1] * len(c) for c in completions], 0, "right")
     return {
-        "prompt_ids": prompt_ids.to(device),
-        "prompt_mask": prompt_mask.to(device),
-        "completion_ids": completion_ids.to(device),
-        "completion_mask": completion_mask.to(device),
-        "advantages": advantages.to(device),
-        "num_items_in_batch": completion_mask.sum().to(device),
+        "prompt_ids": padded(prompts, pad, "left"),
+        "prompt_mask": padded([[1] * len(p) for p in prompts], 0, "left"),
+        "completion_ids": padded(completions, pad, "right"),
+        "completion_mask": completion_mask,
+        "advantages": torch.tensor([rng.gauss(0, 1) for _ in prompts]).to(device),
+        "num_items_in_batch": completion_mask.sum(),
     }
 
 
@@ -110,40 +104,28 @@ def micro_batches(batch, rows):
 
 
 def make_trainer(variant, model, tokenizer, args, tmp):
+    """Stock TRL's trainer (`variant="stock"`) or this package's with prefix sharing, on a copy of `model`; GRPO with
+    `args.beta > 0` gets an in-memory reference model (TRL would reload one from the model's path)."""
     from datasets import Dataset
     from trl.trainer.utils import add_fused_lm_head
 
-    from trl_prefix_sharing import GRPOConfig, GRPOTrainer, OnlineDPOConfig, OnlineDPOTrainer
-
-    common = dict(
-        output_dir=os.path.join(tmp, variant),
+    online_dpo = args.trainer == "online_dpo"
+    trainer = build_trainer(
+        args.trainer,
+        stock=variant == "stock",
+        model=model,
+        ref_model=model if online_dpo else None,
+        tokenizer=tokenizer,
+        train_dataset=Dataset.from_list([{"prompt": "w1"}] * 8),
+        output_dir=f"{tmp}/{variant}",
         per_device_train_batch_size=args.rows,
         bf16=args.mode == "gpu",
         use_cpu=args.mode == "cpu",
-        report_to="none",
         gradient_checkpointing=args.gradient_checkpointing,
-        prefix_sharing=variant == "sharing",
+        **({} if online_dpo else {"num_generations": args.num_generations}),
+        **({} if variant == "stock" else {"prefix_sharing": True}),
     )
-    prompts = Dataset.from_list([{"prompt": "w1"}] * 8)
-    zero = [lambda completions, **kw: [0.0] * len(completions)]
-    if args.trainer == "online_dpo":
-        return OnlineDPOTrainer(
-            model=copy.deepcopy(model),
-            ref_model=copy.deepcopy(model).eval(),
-            reward_funcs=zero,
-            args=OnlineDPOConfig(**common),
-            train_dataset=prompts,
-            processing_class=tokenizer,
-        )
-    trainer = GRPOTrainer(
-        model=copy.deepcopy(model),
-        reward_funcs=zero,
-        train_dataset=prompts,
-        args=GRPOConfig(num_generations=args.num_generations, **common),
-        processing_class=tokenizer,
-    )
-    trainer.current_gradient_accumulation_steps = 1  # set by the Trainer's loop, which this step does not run
-    if args.beta:  # an in-memory reference model (TRL would reload one from the model's path)
+    if args.beta and not online_dpo:
         trainer.beta = args.beta
         trainer.ref_model = copy.deepcopy(model).eval()
         add_fused_lm_head(trainer.ref_model)
@@ -179,29 +161,21 @@ def online_dpo_step(trainer, batch):
 
 
 def training_step(trainer, batches, cuda, args):
-    """Every micro-batch of one generation batch; (wall time, bytes autograd saved for backward at most)."""
+    """Every micro-batch of one generation batch (fresh tensors, as a new generation batch is in training); (wall
+    time, bytes autograd saved for backward at most)."""
     import torch
 
     step = online_dpo_step if args.trainer == "online_dpo" else grpo_step
+    batches = [clone_batch(batch) for batch in batches]
     saved = 0
-    # fresh tensors, as a new generation batch is in training: the trainer keeps a layout while the tensors it was
-    # built from live, so repeats over the same tensors would skip building it
-    batches = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()} for batch in batches]
     if cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
     trainer.model.train()
     for batch in batches:
-        storages = {}
-
-        def pack(tensor, storages=storages):
-            if tensor.device.type != "meta":
-                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with SavedTensors() as tensors:
             step(trainer, batch)
-        saved = max(saved, sum(storages.values()))
+        saved = max(saved, tensors.bytes)
     trainer.model.zero_grad(set_to_none=True)
     if cuda:
         torch.cuda.synchronize()
@@ -213,14 +187,15 @@ def generation_time(model, batch, cuda, pad_token_id=0):
     import torch
 
     model = model.eval()
+    length = batch["completion_ids"].shape[1]
     start = time.perf_counter()
     with torch.no_grad():
         model.generate(
             input_ids=batch["prompt_ids"],
             attention_mask=batch["prompt_mask"],
             do_sample=True,
-            max_new_tokens=batch["completion_ids"].shape[1],
-            min_new_tokens=batch["completion_ids"].shape[1],
+            max_new_tokens=length,
+            min_new_tokens=length,
             pad_token_id=pad_token_id,
         )
     if cuda:
@@ -228,26 +203,17 @@ def generation_time(model, batch, cuda, pad_token_id=0):
     return time.perf_counter() - start
 
 
-def positions(batches, trainer, args):
+def positions(batches, trainer, online_dpo=False):
     """Positions the two training steps run, summed over the micro-batches: stock's padded rows (rows x width) and its
-    real tokens, the shared rows (rows x width, as the sharing trainer lays them out) and their real tokens."""
+    real tokens, the shared rows (rows x width, as the sharing trainer lays them out) and their real tokens; and the
+    scores of a dense mask, per layer and head (rows x width^2: SDPA with a mask on CPU computes them all)."""
     import torch
 
     from trl_prefix_sharing.layout import build_layout
     from trl_prefix_sharing.trie import StockRows
 
-    online_dpo = args.trainer == "online_dpo"
-    counts = dict.fromkeys(
-        (
-            "stock_padded_positions",
-            "stock_positions",
-            "shared_padded_positions",
-            "shared_positions",
-            "stock_attention_scores",
-            "shared_attention_scores",
-        ),
-        0,
-    )
+    counts = {f"{side}_{key}": 0 for key in ("padded_positions", "positions") for side in ("stock", "shared")}
+    counts.update(stock_attention_scores=0, shared_attention_scores=0)
     for b in batches:
         prompt_ids, prompt_mask = b["prompt_ids"], b["prompt_mask"]
         if online_dpo:  # TRL's left truncation to `max_length`, in both variants' `_forward`
@@ -257,55 +223,27 @@ def positions(batches, trainer, args):
         mask = torch.cat([prompt_mask, b["completion_mask"]], dim=1)
         # online DPO: stock scores each row from its first token to its end (trailing padding too)
         real = mask.cumsum(dim=1) > 0 if online_dpo else mask.bool()
-        layout = build_layout(
-            StockRows.generated(ids, mask, prompt_ids.shape[1], score_padding=online_dpo),
-            pad_token_id=0,
-            rows=trainer.sharing_session.rows,
-        )
+        rows = StockRows.generated(ids, mask, prompt_ids.shape[1], score_padding=online_dpo)
+        layout = build_layout(rows, pad_token_id=0, rows=trainer.sharing_session.rows)
         counts["stock_padded_positions"] += ids.numel()
         counts["stock_positions"] += int(real.sum())
         counts["shared_padded_positions"] += layout.input_ids.numel()
         counts["shared_positions"] += int((layout.document_ids >= 0).sum())  # online DPO: stock's padding too
-        # scores of a dense mask, per layer and head: rows x width^2 (SDPA with a mask on CPU computes them all)
         counts["stock_attention_scores"] += ids.shape[0] * ids.shape[1] ** 2
         counts["shared_attention_scores"] += layout.input_ids.shape[0] * layout.input_ids.shape[1] ** 2
     return counts
 
 
-def run(profile, g, model, tokenizer, args, tmp):
-    args.num_generations, args.rows = g, args.groups_per_step * g
-    cuda = args.mode == "gpu"
-    device = "cuda" if cuda else "cpu"
-    batch = generation_batch(
-        profile,
-        args.groups_per_step * args.micro_batches,
-        g,
-        args.length_scale,
-        len(tokenizer),
-        tokenizer.pad_token_id,
-        tokenizer.eos_token_id,
-        seed=zlib.crc32(f"{profile}/{g}".encode()),
-        device=device,
-        low=first_plain_id(tokenizer),
-    )
-    batches = micro_batches(batch, args.rows)
-    trainers = {variant: make_trainer(variant, model, tokenizer, args, tmp) for variant in ("stock", "sharing")}
-    activations = {variant: training_step(trainer, batches, cuda, args)[1] for variant, trainer in trainers.items()}
-    times = {variant: [] for variant in trainers}
-    order = list(trainers)
-    for repeat in range(args.repeats):
-        for variant in order[repeat % 2 :] + order[: repeat % 2]:
-            times[variant].append(training_step(trainers[variant], batches, cuda, args)[0])
-    counts = positions(batches, trainers["sharing"], args)
+def compare(batch, counts, times, activations):
+    """A comparison's figures from one generation batch: mean prompt and completion tokens, the position `counts` and
+    their ratios (padding, sharing ideal, total ideal, dense attention), the median step times (`times`: variant ->
+    timed steps) and the speedup, and the activation memory (`activations`: variant -> bytes)."""
     step = {variant: statistics.median(t) for variant, t in times.items()}
-    generate = generation_time(copy.deepcopy(model), batch, cuda, tokenizer.pad_token_id)
     ideal = counts["stock_padded_positions"] / counts["shared_padded_positions"]
     speedup = step["stock"] / step["sharing"]
     prompt_tokens = int(batch["prompt_mask"].sum()) / batch["prompt_mask"].shape[0]
     completion_tokens = int(batch["completion_mask"].sum()) / batch["completion_mask"].shape[0]
     return {
-        "profile": profile,
-        "G": g,
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "p_over_c": prompt_tokens / completion_tokens,
@@ -318,40 +256,38 @@ def run(profile, g, model, tokenizer, args, tmp):
         "step_times_s": times,
         "speedup": speedup,
         "share_of_total_ideal": speedup / ideal,
-        "generation_s": generate,
-        "speedup_with_generation": (generate + step["stock"]) / (generate + step["sharing"]),
         "activation_bytes": activations,
         "activation_ratio": activations["sharing"] / activations["stock"],
     }
 
 
-def write(results, args, device, command, model_desc):
-    import torch
-    import transformers
-    import trl
+def run(profile, g, model, tokenizer, args, tmp):
+    """One profile and group size: a step each (activation memory), `args.repeats` interleaved timed steps, then
+    generation timed once."""
+    args.num_generations, args.rows = g, args.groups_per_step * g
+    cuda = args.mode == "gpu"
+    groups, seed = args.groups_per_step * args.micro_batches, zlib.crc32(f"{profile}/{g}".encode())
+    batch = generation_batch(profile, groups, g, args.length_scale, tokenizer, seed, "cuda" if cuda else "cpu")
+    batches = micro_batches(batch, args.rows)
+    trainers = {variant: make_trainer(variant, model, tokenizer, args, tmp) for variant in VARIANTS}
+    for trainer in trainers.values():  # not measured: `"auto"` measures its kernels in the first step
+        training_step(trainer, batches, cuda, args)
+    activations = {variant: training_step(trainer, batches, cuda, args)[1] for variant, trainer in trainers.items()}
+    times = interleave(lambda v: training_step(trainers[v], batches, cuda, args)[0], VARIANTS, args.repeats)
+    counts = positions(batches, trainers["sharing"], args.trainer == "online_dpo")
+    result = {"profile": profile, "G": g, **compare(batch, counts, times, activations)}
+    step = result["step_s"]
+    generate = result["generation_s"] = generation_time(copy.deepcopy(model), batch, cuda, tokenizer.pad_token_id)
+    result["speedup_with_generation"] = (generate + step["stock"]) / (generate + step["sharing"])
+    return result
 
-    os.makedirs(args.out, exist_ok=True)
-    meta = {
-        "device": device,
-        "command": command,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "trl": trl.__version__,
-        "model": model_desc,
-        "length_scale": args.length_scale,
-        "beta": args.beta,
-        "groups_per_micro_batch": args.groups_per_step,
-        "micro_batches": args.micro_batches,
-        "repeats": args.repeats,
-    }
-    name = f"{args.trainer}_{args.mode}"
-    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
+
+def write(results, args, data):
     lines = [
         f"# {TITLES[args.trainer]}: stock TRL vs prefix sharing ({args.mode.upper()})",
         "",
-        f"Made by `{command}` ({device}; torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"trl {trl.__version__}; {meta['model']}; lengths x {args.length_scale}; {args.groups_per_step} prompts x G "
+        f"Made by `{data['command']}` ({data['device']}; torch {data['torch']}, transformers {data['transformers']}, "
+        f"trl {data['trl']}; {data['model']}; lengths x {args.length_scale}; {args.groups_per_step} prompts x G "
         f"generations per micro-batch, {args.micro_batches} micro-batches per step; beta={args.beta}; median of "
         f"{args.repeats} interleaved repeats).",
         "",
@@ -366,20 +302,16 @@ def write(results, args, device, command, model_desc):
         "all), which the positions leave out: lower than the ideal where the shared rows are longer than stock's "
         "(completion-heavy groups). Generation (the same in both) is timed once with the model's `generate`.",
         "",
-        "| profile | G | prompt | completion | p/c | padding | sharing ideal | ideal | dense attention | step speedup "
-        "| share of ideal | with generation | activation memory, sharing / stock |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in results:
-        lines.append(
-            f"| {r['profile']} | {r['G']} | {r['prompt_tokens']:.0f} | {r['completion_tokens']:.0f} | "
-            f"{r['p_over_c']:.2f} | {r['padding']:.2f}x | {r['sharing_ideal']:.2f}x | {r['total_ideal']:.2f}x | "
-            f"{r['dense_attention_ratio']:.2f}x | {r['speedup']:.2f}x | {r['share_of_total_ideal']:.2f} | "
-            f"{r['speedup_with_generation']:.2f}x | {r['activation_ratio']:.2f} |"
-        )
-    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    header = "profile|G|prompt|completion|p/c|padding|sharing ideal|ideal|dense attention|step speedup|share of ideal"
+    header += "|with generation|activation memory, sharing / stock"
+    rows = [
+        [r["profile"], r["G"], f"{r['prompt_tokens']:.0f}", f"{r['completion_tokens']:.0f}", f"{r['p_over_c']:.2f}"]
+        + [f"{r[key]:.2f}x" for key in ("padding", "sharing_ideal", "total_ideal", "dense_attention_ratio", "speedup")]
+        + [f"{r['share_of_total_ideal']:.2f}", f"{r['speedup_with_generation']:.2f}x", f"{r['activation_ratio']:.2f}"]
+        for r in results
+    ]
+    write_result(args.out, f"{args.trainer}_{args.mode}", data, lines + markdown_table(header.split("|"), rows))
 
 
 def main():
@@ -402,7 +334,7 @@ def main():
     online_dpo = args.trainer == "online_dpo"
     args.profiles = args.profiles or ("math-reasoning,chat,qa" if online_dpo else ",".join(PROFILES))
     args.generations = "2" if online_dpo else (args.generations or "4,8")
-    command = shlex.join(["python", "scripts/benchmark_online.py", *sys.argv[1:]])
+    command = command_line("online")
     device, tokenizer = quiet_setup(args.mode == "gpu", args.model)
     model = build_model("grpo", tokenizer, args)
     if args.model == "tiny":
@@ -421,7 +353,10 @@ def main():
                     flush=True,
                 )
                 results.append(result)
-    write(results, args, device, command, model_desc)
+    settings = {"length_scale": args.length_scale, "beta": args.beta, "groups_per_micro_batch": args.groups_per_step}
+    settings.update(micro_batches=args.micro_batches, repeats=args.repeats)
+    data = {"command": command, "device": device, "model": model_desc, **versions(), **settings, "results": results}
+    write(results, args, data)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Stock TRL vs prefix sharing for KTO, ORPO and CPO-SimPO: training-step time, positions the model computes,
 activation memory, and for KTO whether merging the policy's KL rows into its gradient pass pays.
 
-    python scripts/benchmark_paired.py --out docs/benchmarks      # CPU, about 5 minutes on 2 cores
-    python scripts/benchmark_paired.py --model smollm2 --profiles 256/128,1024/128 --batches 1 --repeats 3 \
+    python -m benchmarks.paired --out docs/benchmarks      # CPU, about 5 minutes on 2 cores
+    python -m benchmarks.paired --model smollm2 --profiles 256/128,1024/128 --batches 1 --repeats 3 \
         --length-scale 0.125 --out docs/benchmarks/smollm2      # a real model (below), ~10 minutes on 2 cores
 
 For each length profile (median prompt / completion tokens with prompt/completion ratios from 0.5 to 8, scaled by
@@ -17,10 +17,11 @@ examples; TRL builds the KL rows by rotating the completions within each batch).
 identical weights (KTO: shared with `prefix_sharing_merge_kl=True` and with `False`).
 
 One training step = the trainer's `compute_loss` + backward on each of `--batches` collated batches of 4 examples, the
-same batches for every variant (KTO: in the dataset's sequential order, TRL's KL rotation chunks). Before timing, each
-batch's shared loss is checked against stock's. Timed repeats of the variants are interleaved: each round times every
-variant once, in a rotating order, and a time ratio is the median over the rounds of that round's ratio (a slow spell
-of this noisy machine then hits both sides of a ratio alike).
+same batches for every variant (KTO: in the dataset's sequential order, TRL's KL rotation chunks). Each variant first
+runs one step untimed and uncounted (`"auto"` measures its kernels in its first step, passes that are not the step's);
+the next step is counted and each batch's shared loss checked against stock's. Timed repeats of the variants are
+interleaved: each round times every variant once, in a rotating order, and a time ratio is the median over the rounds
+of that round's ratio (a slow spell of this noisy machine then hits both sides of a ratio alike).
 
 Positions are counted by a forward pre-hook on the backbones (policy and reference), every call of the step: rows x
 width, the real tokens the rows hold (stock: the attention mask; shared: the layout's tokens, each example's prompt
@@ -37,60 +38,33 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import math
-import os
 import random
-import shlex
 import statistics
-import sys
 import tempfile
 import time
 import zlib
 
+from trl_prefix_sharing.testing.trainers import build_trainer
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark import (  # noqa: E402
-    ActivationMeter,
-    add_model_options,
-    build_model,
-    check_model_options,
-    check_one_token_per_word,
-    count_tokens,
-    describe_smollm2,
-    quiet_setup,
-    single_token_words,
-)
+from .data import check_one_token_per_word, count_tokens, lognormal_lengths, single_token_words
+from .measure import ActivationMeter, clone_batch, interleave
+from .models import add_model_options, build_model, check_model_options, describe_smollm2, quiet_setup
+from .results import command_line, markdown_table, versions, write_result
 
 
 # median (prompt, completion) tokens: prompt/completion 0.5 to 8
-PROFILES = {
-    "64/128": (64, 128),
-    "128/128": (128, 128),
-    "256/128": (256, 128),
-    "512/128": (512, 128),
-    "1024/128": (1024, 128),
-}
+PROFILES = {name: (int(name.split("/")[0]), 128) for name in ("64/128", "128/128", "256/128", "512/128", "1024/128")}
 TRAINERS = ("kto", "orpo", "cpo")
 TITLES = {"kto": "KTO", "orpo": "ORPO", "cpo": "CPO-SimPO"}
-VARIANTS = {
-    "kto": ("stock", "merged", "apart"),
-    "orpo": ("stock", "shared", "unscored padding"),
-    "cpo": ("stock", "shared", "unscored padding"),
-}
+MERGE, SCORE = "prefix_sharing_merge_kl", "prefix_sharing_score_padding"
+#: each trainer's variants beside stock TRL's own trainer: this package's options (ORPO/CPO: "shared" computes stock's
+#: padding too, "unscored padding" is the default)
+VARIANTS = {"kto": {"merged": {MERGE: True}, "apart": {MERGE: False}}}
+VARIANTS["orpo"] = VARIANTS["cpo"] = {"shared": {SCORE: True}, "unscored padding": {SCORE: False}}
+LOSSES = {"kto": {"loss_type": "kto"}, "orpo": {}, "cpo": {"loss_type": "simpo", "cpo_alpha": 0.5}}
 BATCH_SIZE = 4
 MAX_LENGTH = 8192  # above every row: no truncation
 GRAD_WEIGHT = 3  # a gradient pass (forward + backward) counted as three forwards
-
-
-def lognormal_lengths(rng, median, n, sigma=0.4):
-    """`n` lengths spread as a lognormal around `median` (sigma as in `benchmark_online.py`): its quantiles at
-    `(i + 0.5) / n`, shuffled, so that a small sample is centred on the profile's median; at most 3x the median."""
-    normal = statistics.NormalDist()
-    quantiles = (math.exp(sigma * normal.inv_cdf((i + 0.5) / n)) for i in range(n))
-    lengths = [max(1, min(3 * median, round(median * q))) for q in quantiles]
-    rng.shuffle(lengths)
-    return lengths
 
 
 def pairs(profile, n, scale, seed=0, vocabulary=None):
@@ -118,73 +92,40 @@ def unpaired(rows):
 
 
 def make_trainers(kind, model, ref_model, tokenizer, rows, args, tmp):
-    """{variant: trainer} from deep copies of the same weights."""
-    import trl
+    """{variant: trainer} from deep copies of the same weights, each with the same collated batches
+    (`trainer.bench_batches`: the first `args.batches` as TRL's sequential sampler draws them)."""
     from datasets import Dataset
-    from trl.experimental.cpo import CPOConfig as StockCPOConfig
-    from trl.experimental.cpo import CPOTrainer as StockCPOTrainer
-    from trl.experimental.orpo import ORPOConfig as StockORPOConfig
-    from trl.experimental.orpo import ORPOTrainer as StockORPOTrainer
 
-    from trl_prefix_sharing import CPOConfig, CPOTrainer, KTOConfig, KTOTrainer, ORPOConfig, ORPOTrainer
-
-    common = dict(
-        per_device_train_batch_size=BATCH_SIZE,
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        gradient_checkpointing=args.gradient_checkpointing,
-        max_length=MAX_LENGTH,
-        logging_steps=10_000,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-    )
-    shared = {"prefix_sharing": True}
-    if kind == "kto":
-        classes = {
-            "stock": (trl.KTOTrainer, trl.KTOConfig, {}),
-            "merged": (KTOTrainer, KTOConfig, {**shared, "prefix_sharing_merge_kl": True}),
-            "apart": (KTOTrainer, KTOConfig, {**shared, "prefix_sharing_merge_kl": False}),
-        }
-        options, dataset = {"loss_type": "kto"}, Dataset.from_list(unpaired(rows))
-    else:
-        stock_cls, stock_config, cls, config = {
-            "orpo": (StockORPOTrainer, StockORPOConfig, ORPOTrainer, ORPOConfig),
-            "cpo": (StockCPOTrainer, StockCPOConfig, CPOTrainer, CPOConfig),
-        }[kind]
-        classes = {
-            "stock": (stock_cls, stock_config, {}),
-            "shared": (cls, config, {**shared, "prefix_sharing_score_padding": True}),  # stock's padding computed too
-            "unscored padding": (cls, config, {**shared, "prefix_sharing_score_padding": False}),  # the default
-        }
-        options = {"loss_type": "simpo", "cpo_alpha": 0.5} if kind == "cpo" else {}
-        dataset = Dataset.from_list(rows)
+    dataset = Dataset.from_list(unpaired(rows) if kind == "kto" else rows)
     trainers = {}
-    for variant, (cls, config, extra) in classes.items():
-        kwargs = {"ref_model": copy.deepcopy(ref_model)} if kind == "kto" else {}
-        trainers[variant] = cls(
-            model=copy.deepcopy(model),
-            args=config(output_dir=os.path.join(tmp, f"{kind}-{variant}"), **options, **extra, **common),
+    for variant, options in {"stock": None, **VARIANTS[kind]}.items():
+        trainer = trainers[variant] = build_trainer(
+            kind,
+            stock=options is None,
+            model=model,
+            ref_model=ref_model if kind == "kto" else None,
+            tokenizer=tokenizer,
             train_dataset=dataset,
-            processing_class=tokenizer,
-            **kwargs,
+            output_dir=f"{tmp}/{kind}-{variant}",
+            per_device_train_batch_size=BATCH_SIZE,
+            use_cpu=True,
+            bf16=False,
+            gradient_checkpointing=args.gradient_checkpointing,
+            max_length=MAX_LENGTH,
+            **LOSSES[kind],
+            **({} if options is None else {"prefix_sharing": True, **options}),
         )
+        chunks = [range(b * BATCH_SIZE, (b + 1) * BATCH_SIZE) for b in range(args.batches)]
+        collate = trainer.data_collator
+        trainer.bench_batches = [
+            trainer._prepare_inputs(collate([trainer.train_dataset[i] for i in c])) for c in chunks
+        ]
     return trainers
 
 
-def collated_batches(trainer, count):
-    """The first `count` batches as TRL's sequential sampler draws them, collated and prepared."""
-    dataset = trainer.train_dataset
-    chunks = [[dataset[i] for i in range(b * BATCH_SIZE, (b + 1) * BATCH_SIZE)] for b in range(count)]
-    return [trainer._prepare_inputs(trainer.data_collator(examples)) for examples in chunks]
-
-
-def training_step(trainer, batches):
-    """`compute_loss` + backward on every batch: (wall time, the losses)."""
-    import torch
-
-    batches = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in batches]
+def training_step(trainer):
+    """`compute_loss` + backward on every batch of `trainer.bench_batches`: (wall time, the losses)."""
+    batches = [clone_batch(batch) for batch in trainer.bench_batches]
     start = time.perf_counter()
     trainer.model.train()
     losses = []
@@ -205,23 +146,22 @@ class PositionCounter:
     KEYS = ("calls", "positions", "tokens", "laid", "scores")
 
     def __init__(self, trainer):
-        self.trainer = trainer
         self.layouts = []
         passes = ("policy", "reference")
         self.counts = {f"{w}{pass_}_{key}": 0 for w in ("", "w_") for pass_ in passes for key in self.KEYS}
-        self.handles = []
         models = {"policy": trainer.model, "reference": getattr(trainer, "ref_model", None)}
-        for pass_, model in models.items():
-            if model is not None:
-                self.handles.append(model.model.register_forward_pre_hook(self._hook(pass_), with_kwargs=True))
+        self.handles = [
+            model.model.register_forward_pre_hook(self._hook(pass_), with_kwargs=True)
+            for pass_, model in models.items()
+            if model is not None
+        ]
         self.sharing_session = getattr(trainer, "sharing_session", None)
         if self.sharing_session is not None:
             original = self.sharing_session.layout
 
             def layout(*a, **k):
-                result = original(*a, **k)
-                self.layouts.append(result)
-                return result
+                self.layouts.append(original(*a, **k))
+                return self.layouts[-1]
 
             self.sharing_session.layout = layout
 
@@ -263,7 +203,7 @@ def first_step(trainer):
     counter = PositionCounter(trainer)
     meter = ActivationMeter(trainer)
     try:
-        _, losses = training_step(trainer, trainer.bench_batches)
+        _, losses = training_step(trainer)
     finally:
         del trainer.compute_loss  # the meter's wrapper (an instance attribute): the method again
         counter.remove()
@@ -281,72 +221,64 @@ def merge_rule(batch):
     return prompt, int(batch["KL_completion_mask"].sum())
 
 
+def compare(stock, shared, speedup):
+    """One variant against stock (their `PositionCounter`s) and its step speedup: positions, calls and the ratios."""
+    ideal = stock.total("positions") / shared.total("positions")
+    pair = (("stock", stock), ("shared", shared))
+    return {
+        "positions_per_step": {key: c.total("positions", False) for key, c in pair},
+        "calls_per_step": {key: c.total("calls", False) for key, c in pair},
+        "padding": stock.total("positions") / stock.total("tokens"),
+        "sharing_ideal": stock.total("tokens") / shared.total("tokens"),
+        "shared_padding": shared.total("positions") / shared.total("tokens"),
+        "ideal": ideal,
+        "dense_attention_ratio": stock.total("scores") / shared.total("scores"),
+        "speedup": speedup,
+        "share_of_ideal": speedup / ideal,
+    }
+
+
 def run(kind, profile, model, ref_model, tokenizer, args, tmp):
+    """One trainer on one profile: the first step of each variant (counts, activation memory, losses checked against
+    stock's), then `args.repeats` interleaved timed steps."""
     import torch
 
     rows = pairs(profile, args.batches * BATCH_SIZE, args.length_scale, vocabulary=args.vocabulary)
     if args.vocabulary is not None:
         check_one_token_per_word(tokenizer, [text for row in rows for text in row.values()])
     trainers = make_trainers(kind, model, ref_model, tokenizer, rows, args, tmp)
-    for trainer in trainers.values():
-        trainer.bench_batches = collated_batches(trainer, args.batches)
+    for trainer in trainers.values():  # not counted: `"auto"` measures its kernels in the first step
+        training_step(trainer)
     first = {variant: first_step(trainer) for variant, trainer in trainers.items()}
-    for variant in trainers:
-        if variant != "stock":
-            for b, (got, expected) in enumerate(zip(first[variant][2], first["stock"][2], strict=True)):
-                where = f"{kind} {profile} {variant} batch {b}"
-                torch.testing.assert_close(got, expected, atol=1e-4, rtol=0, msg=lambda m, w=where: f"{w}: {m}")
-    times = {variant: [] for variant in trainers}
-    order = list(trainers)
-    for repeat in range(args.repeats):
-        shift = repeat % len(order)
-        for variant in order[shift:] + order[:shift]:
-            times[variant].append(training_step(trainers[variant], trainers[variant].bench_batches)[0])
-    step = {variant: statistics.median(t) for variant, t in times.items()}
-    stock = first["stock"][0]
+    for variant in list(trainers)[1:]:
+        for b, (got, expected) in enumerate(zip(first[variant][2], first["stock"][2], strict=True)):
+            where = f"{kind} {profile} {variant} batch {b}"
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=0, msg=lambda m, w=where: f"{w}: {m}")
+    times = interleave(lambda variant: training_step(trainers[variant])[0], list(trainers), args.repeats)
     # the texts' tokens with the model's tokenizer (BOS and EOS aside)
     prompt_tokens = [count_tokens(tokenizer, r["prompt"]) for r in rows]
-    completion_tokens = [count_tokens(tokenizer, r[key]) for r in rows for key in ("chosen", "rejected")]
-    if kind == "kto":
-        completion_tokens = [count_tokens(tokenizer, r["completion"]) for r in unpaired(rows)]
+    texts = unpaired(rows) if kind == "kto" else [{"completion": r[k]} for r in rows for k in ("chosen", "rejected")]
+    completion_tokens = [count_tokens(tokenizer, text["completion"]) for text in texts]
     result = {
         "trainer": kind,
         "profile": profile,
         "prompt_tokens": statistics.mean(prompt_tokens),
         "completion_tokens": statistics.mean(completion_tokens),
         "losses": [float(x) for x in first["stock"][2]],
-        "step_s": step,
+        "step_s": {variant: statistics.median(t) for variant, t in times.items()},
         "step_times_s": times,
         "activation_bytes": {variant: first[variant][1] for variant in trainers},
         "counts": {variant: first[variant][0].counts for variant in trainers},
         "variants": {},
     }
     result["p_over_c"] = result["prompt_tokens"] / result["completion_tokens"]
-    for variant in trainers:
-        if variant == "stock":
-            continue
+    stock = first["stock"][0]
+    for variant in list(trainers)[1:]:
         shared = first[variant][0]
-        padding = stock.total("positions") / stock.total("tokens")
-        sharing_ideal = stock.total("tokens") / shared.total("tokens")
-        shared_padding = shared.total("positions") / shared.total("tokens")
-        ideal = stock.total("positions") / shared.total("positions")
-        speedup = round_ratio(times["stock"], times[variant])
-        pair = (("stock", stock), ("shared", shared))
-        entry = {
-            "positions_per_step": {key: c.total("positions", False) for key, c in pair},
-            "calls_per_step": {key: c.total("calls", False) for key, c in pair},
-            "padding": padding,
-            "sharing_ideal": sharing_ideal,
-            "shared_padding": shared_padding,
-            "ideal": ideal,
-            "dense_attention_ratio": stock.total("scores") / shared.total("scores"),
-            "speedup": speedup,
-            "share_of_ideal": speedup / ideal,
-            "activation_ratio": first[variant][1] / first["stock"][1],
-        }
+        entry = result["variants"][variant] = compare(stock, shared, round_ratio(times["stock"], times[variant]))
+        entry["activation_ratio"] = first[variant][1] / first["stock"][1]
         if kind == "kto":  # the reference pass alone: stock's main and KL rows vs the merged trie
             entry["reference_sharing_ideal"] = stock.counts["reference_tokens"] / shared.counts["reference_tokens"]
-        result["variants"][variant] = entry
     if kind == "kto":
         rule = [merge_rule(b) for b in trainers["merged"].bench_batches]
         result["batch_prompt_over_kl_completion"] = [p / c for p, c in rule]
@@ -452,12 +384,7 @@ def notes(results):
     return lines
 
 
-def write(results, args, device, command, model_desc, elapsed):
-    import torch
-    import transformers
-    import trl
-
-    os.makedirs(args.out, exist_ok=True)
+def write(results, args, data):
     if args.vocab < 10_000:
         vocabulary_note = (
             f"this vocabulary is small, {args.vocab} tokens; with a real one, tens of thousands, the logits dominate "
@@ -465,30 +392,14 @@ def write(results, args, device, command, model_desc, elapsed):
         )
     else:
         vocabulary_note = f"a real vocabulary, {args.vocab} tokens: the logits dominate stock's memory"
-    meta = {
-        "device": device,
-        "command": command,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "trl": trl.__version__,
-        "model": model_desc,
-        "length_scale": args.length_scale,
-        "batch_size": BATCH_SIZE,
-        "batches_per_step": args.batches,
-        "repeats": args.repeats,
-        "gradient_checkpointing": args.gradient_checkpointing,
-        "elapsed_s": round(elapsed, 1),
-    }
-    with open(os.path.join(args.out, "paired_cpu.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
     lines = [
         "# KTO, ORPO and CPO-SimPO: stock TRL vs prefix sharing (CPU)",
         "",
-        f"Made by `{command}` ({device}; torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"trl {trl.__version__}; {model_desc}; median prompt/completion tokens of each profile x {args.length_scale}, "
+        f"Made by `{data['command']}` ({data['device']}; torch {data['torch']}, transformers {data['transformers']}, "
+        f"trl {data['trl']}; {data['model']}; median prompt/completion tokens of each profile x {args.length_scale}, "
         f"lognormal quantiles around them; {args.batches} batches of {BATCH_SIZE} examples per step; gradient "
         f"checkpointing {'on' if args.gradient_checkpointing else 'off'}; {args.repeats} interleaved rounds, "
-        f"time ratios the median of the rounds' ratios; {elapsed / 60:.1f} minutes).",
+        f"time ratios the median of the rounds' ratios; {data['elapsed_s'] / 60:.1f} minutes).",
         "",
         "Training step = the trainer's `compute_loss` + backward on each batch, the same collated batches for stock "
         "TRL and prefix sharing (KTO: in the dataset's order, as TRL's sequential sampler draws them). Before timing, "
@@ -518,11 +429,13 @@ def write(results, args, device, command, model_desc, elapsed):
         f"column mixes the positions saved and the logits avoided ({vocabulary_note}). KTO: stock uses the fused "
         "head too, so its column is the positions alone.",
         "",
-        "| trainer | profile | prompt | completion | p/c | padding | sharing ideal | shared padding | ideal | "
-        "dense attention | step speedup | share of ideal | positions per step (stock / shared) | backbone calls "
-        "(stock / shared) | activation memory, shared / stock |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    header = (
+        "trainer|profile|prompt|completion|p/c|padding|sharing ideal|shared padding|ideal|dense attention|step speedup"
+        "|share of ideal|positions per step (stock / shared)|backbone calls (stock / shared)"
+        "|activation memory, shared / stock"
+    ).split("|")
+    rows = []
     for r in results:
         for variant, v in r["variants"].items():
             name = TITLES[r["trainer"]] + (f" ({variant} KL)" if r["trainer"] == "kto" else "")
@@ -530,17 +443,17 @@ def write(results, args, device, command, model_desc, elapsed):
                 name += " (`prefix_sharing_score_padding=False`, the default)"
             elif r["trainer"] in ("orpo", "cpo"):
                 name += " (`prefix_sharing_score_padding=True`)"
-            sharing, positions = f"{v['sharing_ideal']:.2f}x", v["positions_per_step"]
+            sharing, positions, calls = f"{v['sharing_ideal']:.2f}x", v["positions_per_step"], v["calls_per_step"]
             if r["trainer"] == "kto":
                 sharing += f" (reference {v['reference_sharing_ideal']:.2f}x)"
-            lines.append(
-                f"| {name} | {r['profile']} | {r['prompt_tokens']:.0f} | {r['completion_tokens']:.0f} | "
-                f"{r['p_over_c']:.2f} | {v['padding']:.2f}x | {sharing} | {v['shared_padding']:.2f}x | "
-                f"{v['ideal']:.2f}x | {v['dense_attention_ratio']:.2f}x | {v['speedup']:.2f}x | "
-                f"{v['share_of_ideal']:.2f} | {positions['stock']} / {positions['shared']} | "
-                f"{v['calls_per_step']['stock']} / {v['calls_per_step']['shared']} | {v['activation_ratio']:.2f} |"
+            rows.append(
+                [name, r["profile"], f"{r['prompt_tokens']:.0f}", f"{r['completion_tokens']:.0f}"]
+                + [f"{r['p_over_c']:.2f}", f"{v['padding']:.2f}x", sharing, f"{v['shared_padding']:.2f}x"]
+                + [f"{v[key]:.2f}x" for key in ("ideal", "dense_attention_ratio", "speedup")]
+                + [f"{v['share_of_ideal']:.2f}", f"{positions['stock']} / {positions['shared']}"]
+                + [f"{calls['stock']} / {calls['shared']}", f"{v['activation_ratio']:.2f}"]
             )
-    lines += ["", *notes(results)]
+    lines += [*markdown_table(header, rows), "", *notes(results)]
     kto = [r for r in results if r["trainer"] == "kto"]
     if kto:
         lines += [
@@ -556,22 +469,19 @@ def write(results, args, device, command, model_desc, elapsed):
             "tokens, as the rule reads them; *merged vs apart* = step time apart / merged (above 1: merging pays); "
             "its *ideal* = weighted positions apart / merged.",
             "",
-            "| profile | batch p/c | auto rule merges | speedup merged | speedup apart | merged vs apart | ideal | "
-            "activation memory, merged / apart |",
-            "|---|---|---|---|---|---|---|---|",
         ]
-        for r in kto:
-            ratios = r["batch_prompt_over_kl_completion"]
-            lines.append(
-                f"| {r['profile']} | {' / '.join(f'{x:.2f}' for x in ratios)} | {r['auto_merges']} of {len(ratios)} "
-                f"batches | {r['variants']['merged']['speedup']:.2f}x | {r['variants']['apart']['speedup']:.2f}x | "
-                f"{r['merged_over_apart']:.2f}x | {r['merged_over_apart_ideal']:.2f}x | "
-                f"{r['merged_over_apart_activation']:.2f} |"
-            )
+        header = "profile|batch p/c|auto rule merges|speedup merged|speedup apart|merged vs apart|ideal"
+        rows = [
+            [r["profile"], " / ".join(f"{x:.2f}" for x in r["batch_prompt_over_kl_completion"])]
+            + [f"{r['auto_merges']} of {len(r['batch_prompt_over_kl_completion'])} batches"]
+            + [f"{r['variants'][v]['speedup']:.2f}x" for v in ("merged", "apart")]
+            + [f"{r['merged_over_apart']:.2f}x", f"{r['merged_over_apart_ideal']:.2f}x"]
+            + [f"{r['merged_over_apart_activation']:.2f}"]
+            for r in kto
+        ]
+        lines += markdown_table([*header.split("|"), "activation memory, merged / apart"], rows)
         lines += ["", merge_verdict(kto)]
-    with open(os.path.join(args.out, "paired_cpu.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result(args.out, "paired_cpu", data, lines)
 
 
 def main():
@@ -587,7 +497,7 @@ def main():
     args = parser.parse_args()
     check_model_options(args)
     args.mode = "cpu"  # for `build_model`
-    command = shlex.join(["python", "scripts/benchmark_paired.py", *sys.argv[1:]])
+    command = command_line("paired")
     started = time.perf_counter()
     device, tokenizer = quiet_setup(False, args.model)
     args.vocabulary = single_token_words(tokenizer) if args.model != "tiny" else None
@@ -620,7 +530,14 @@ def main():
                         f"x{v['activation_ratio']:.2f} [{time.perf_counter() - started:.0f} s]",
                         flush=True,
                     )
-    write(results, args, device, command, model_desc, time.perf_counter() - started)
+    settings = {"length_scale": args.length_scale, "batch_size": BATCH_SIZE, "batches_per_step": args.batches}
+    settings.update(repeats=args.repeats, gradient_checkpointing=args.gradient_checkpointing)
+    settings["elapsed_s"] = round(time.perf_counter() - started, 1)
+    write(
+        results,
+        args,
+        {"command": command, "device": device, "model": model_desc, **versions(), **settings, "results": results},
+    )
 
 
 if __name__ == "__main__":

@@ -1,15 +1,15 @@
 """Redraw the benchmark plots from their recorded JSON, without running the benchmarks again.
 
-    python scripts/plot_benchmarks.py      # docs/benchmarks/cpu_speedup.png and docs/benchmarks/grpo_cpu_speedup.png
+    python -m benchmarks.plot      # docs/benchmarks/cpu_speedup.png and docs/benchmarks/grpo_cpu_speedup.png
 
 Each JSON file given is drawn next to itself as `<name>_speedup.png`:
 
-- `cpu.json` / `gpu.json` (`scripts/benchmark.py`): DPO and reward throughput over stock TRL against the profile's
+- `cpu.json` / `gpu.json` (`benchmarks/dpo.py`): DPO and reward throughput over stock TRL against the profile's
   median prompt / completion ratio, with the linear-layer ideal `2(p+c)/(p+2c)`;
-- `grpo_cpu.json` (`scripts/benchmark_online.py`): the training step's speedup over stock TRL per profile and group
+- `grpo_cpu.json` (`benchmarks/online.py`): the training step's speedup over stock TRL per profile and group
   size G, beside its ideal (stock padded / shared padded positions).
 
-Needs matplotlib (`pip install -e .[bench]`). `scripts/benchmark.py` draws its plot with the same function.
+Needs matplotlib (`pip install -e .[bench]`). `benchmarks/dpo.py` draws its plot with the same function.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _pyplot():
 
 
 def plot_speedup(data: dict, path: str, profiles: dict[str, tuple[int, int]]) -> None:
-    """Throughput of each variant over stock TRL (``data``: the JSON `scripts/benchmark.py` writes), against the
+    """Throughput of each variant over stock TRL (``data``: the JSON `benchmarks/dpo.py` writes), against the
     median prompt / completion ratio of each profile (``profiles``: name -> (prompt, completion) medians)."""
     from matplotlib.lines import Line2D
 
@@ -92,7 +92,7 @@ def plot_speedup(data: dict, path: str, profiles: dict[str, tuple[int, int]]) ->
 
 def plot_online(data: dict, path: str, trainer: str) -> None:
     """The training step's speedup over stock TRL per profile and group size G, beside its ideal (``data``: the JSON
-    `scripts/benchmark_online.py` writes)."""
+    `benchmarks/online.py` writes)."""
     import matplotlib.transforms as transforms
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
@@ -123,8 +123,7 @@ def plot_online(data: dict, path: str, trainer: str) -> None:
     ax.axhline(1.0, color="grey", lw=0.6, zorder=1)
     ax.set_ylabel("training step speedup over stock TRL")
     ax.set_xlim(-0.6, len(profiles) - 0.4)
-    meta = data["meta"]
-    ax.set_title(f"{trainer} training step on {meta['device']}\n{meta.get('model', '')}", fontsize=10)
+    ax.set_title(f"{trainer} training step on {data['device']}\n{data.get('model', '')}", fontsize=10)
     handles = [Patch(color=shades[j % len(shades)], label=f"measured, G = {g}") for j, g in enumerate(sizes)]
     handles.append(Line2D([], [], color="black", lw=1.8, label="ideal: stock / shared padded positions"))
     ax.legend(handles=handles, loc="upper left", fontsize=8, frameon=False)
@@ -139,11 +138,11 @@ def plot_file(json_path: str) -> str:
         data = json.load(f)
     stem = os.path.splitext(json_path)[0]
     path = f"{stem}_speedup.png"
-    if "meta" in data:  # scripts/benchmark_online.py: <trainer>_<mode>.json
+    if isinstance(data["results"], list):  # benchmarks/online.py: <trainer>_<mode>.json, a row per profile and G
         trainer = os.path.basename(stem).rsplit("_", 1)[0].replace("_", " ")
         plot_online(data, path, "GRPO" if trainer == "grpo" else trainer.replace("dpo", "DPO"))
-    else:  # scripts/benchmark.py: <mode>.json
-        from benchmark import PROFILES
+    else:  # benchmarks/dpo.py: <mode>.json
+        from .data import PROFILES
 
         plot_speedup(data, path, PROFILES)
     return path
