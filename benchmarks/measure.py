@@ -223,3 +223,23 @@ def interleave(step, variants, rounds):
         for variant in order:
             results[variant].append(step(variant))
     return results
+
+
+def free_memory(cuda):
+    """Collect garbage; on CUDA, also hand the allocator's cached blocks back."""
+    gc.collect()
+    if cuda:
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+class Deadline:
+    """A time limit `seconds` from now (none for 0 or None): `left()`, the seconds left (infinite without a limit)."""
+
+    def __init__(self, seconds):
+        self.limited = bool(seconds)
+        self.end = time.monotonic() + (seconds or 0)
+
+    def left(self) -> float:
+        return self.end - time.monotonic() if self.limited else float("inf")

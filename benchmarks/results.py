@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import string
 import sys
 
 
-__all__ = ["command_line", "document", "markdown_table", "ratio", "times", "versions", "write_result"]
+__all__ = ["CELLS", "command_line", "document", "markdown_table", "ratio", "times", "versions", "write_result"]
 
 
 def command_line(module: str, argv: list[str] | None = None) -> str:
@@ -78,3 +79,14 @@ def write_result(out: str, stem: str, data: dict, lines: list[str], echo: bool =
     if echo:
         print("\n".join(lines))
     return path
+
+
+class Cells(string.Formatter):
+    """`str.format` for table cells: a missing value (None) is `-`, whatever its format (`{x:.2f}` of None: `-`)."""
+
+    def format_field(self, value, spec):
+        return "-" if value is None else format(value, spec)
+
+
+#: `CELLS.format(template, **fields)`: a cell, or a line, with `-` for what is missing
+CELLS = Cells()

@@ -3,7 +3,8 @@ layout's difference from stock, and the difference of three broken layouts, per 
 
 Models (``--models``, comma-separated):
 
-- ``custom``: the custom test types of ``tests/custom_models.py`` (a plain decoder, a windowed one, and the same
+- ``custom``: the custom test types of ``trl_prefix_sharing/testing/custom_models.py`` (a plain decoder, a windowed
+one, and the same
   weights under three backbones that break the layout: positions from the row index, causal attention over the whole
   row, a window counted in row positions), at three sizes and two initialisation scales (the default 0.02, nearly
   uniform outputs as in the tests, and 0.2, sharper outputs closer to a trained model's; the largest size at 0.2
@@ -137,7 +138,7 @@ def measure(model, rows, tokenizer) -> dict:
 @contextlib.contextmanager
 def backbone(model, cls):
     """`model` (a causal LM) with its backbone's forward taken from `cls` (the same weights): a broken layout of
-    `tests/custom_models.py` on a model loaded from a checkpoint."""
+    `trl_prefix_sharing/testing/custom_models.py` on a model loaded from a checkpoint."""
     base = model.get_decoder()
     own = type(base)
     base.__class__ = cls
@@ -148,9 +149,8 @@ def backbone(model, cls):
 
 
 def run_custom() -> list[dict]:
-    from custom_models import custom_model
-
     from trl_prefix_sharing.testing import make_tokenizer
+    from trl_prefix_sharing.testing.custom_models import custom_model
 
     tokenizer = make_tokenizer()
     results = []
@@ -184,8 +184,7 @@ def run_smollm2(check_only: bool = False) -> list[dict]:
     causal attention over the whole row: `ps_row_positions` and `ps_row_causal`). It has no sliding window, so the
     window counted in row positions (`ps_row_window`) does not apply. `check_only`: only find the model (raises the
     loader's `RealModelMissing` where it is not installed)."""
-    from custom_models import _RowCausal, _RowPositions
-
+    from trl_prefix_sharing.testing.custom_models import _RowCausal, _RowPositions
     from trl_prefix_sharing.testing.real_model import load_smollm2, smollm2_path
 
     if check_only:

@@ -1,21 +1,21 @@
 """The CUDA check in one command per part: the CUDA tests, compile counts, long-row peak memory, and the benchmark
 against stock TRL. Each part writes its files to `--out`.
 
-    python scripts/gpu_check.py --part tests --jobs 3 --out results/tests  # tests/test_cuda.py, 3 processes
+    python scripts/gpu_check.py --part tests --jobs 3 --out results/tests  # tests/cuda/test_cuda.py, 3 processes
     python scripts/gpu_check.py --part bench-small --out results/small   # 0.5B model: DPO, reward, GRPO
     python scripts/gpu_check.py --part bench-large --out results/large   # 3B model: DPO, reward
     python scripts/gpu_check.py --merge results/tests results/small results/large --out docs/benchmarks
 
-`--part all` runs the three in one process (no time limit of its own); `--jobs N` runs tests/test_cuda.py in N
+`--part all` runs the three in one process (no time limit of its own); `--jobs N` runs tests/cuda/test_cuda.py in N
 processes side by side on the one GPU (each takes every N-th test, the measured ones first); `--tests-k` runs part of
-tests/test_cuda.py (merge the parts); `--dry-run` runs the same code on CPU with tiny models and lengths
-(tests/test_gpu_check.py does, so that a typo or an import error shows before a GPU is used; there `"auto"` runs each
-timed call but takes the kernel it prefers, as in the test suite, since the tiny models' times are noise). Each single
-part stops starting new work after `--deadline-s` (540 s by default) and writes what it measured, with the rest listed
-as not run.
+tests/cuda/test_cuda.py (merge the parts); `--dry-run` runs the same code on CPU with tiny models and lengths
+(tests/tools/test_gpu_check.py does, so that a typo or an import error shows before a GPU is used; there `"auto"`
+runs each timed call but takes the kernel it prefers, as in the test suite, since the tiny models' times are noise).
+Each single part stops starting new work after `--deadline-s` (540 s by default) and writes what it measured, with the
+rest listed as not run.
 
 Files in `--out`:
-- `gpu_tests.json`: device, versions, pytest's counts over tests/test_cuda.py, the compiled variants of
+- `gpu_tests.json`: device, versions, pytest's counts over tests/cuda/test_cuda.py, the compiled variants of
   `create_block_mask` and `flex_attention` over its 39-step compile schedule ("recompiles"), recompilations logged by
   `TORCH_LOGS=recompiles` per function, the long-row peak memory, and the failures' messages;
 - `cuda_tests.log`: pytest's output (`-v -s`, with the recompilation reasons);
@@ -85,14 +85,9 @@ def cap_log(path, limit=MAX_LOG_BYTES):
 
 def check_outputs(out) -> list[str]:
     """Problems with the output folder: too many files, or a file too large to keep."""
-    names = sorted(os.listdir(out))
-    problems = [f"{len(names)} files (at most {MAX_FILES})"] if len(names) > MAX_FILES else []
-    problems += [
-        f"{n}: {os.path.getsize(os.path.join(out, n))} bytes"
-        for n in names
-        if os.path.getsize(os.path.join(out, n)) > MAX_BYTES
-    ]
-    return problems
+    sizes = {name: os.path.getsize(os.path.join(out, name)) for name in sorted(os.listdir(out))}
+    problems = [f"{len(sizes)} files (at most {MAX_FILES})"] if len(sizes) > MAX_FILES else []
+    return problems + [f"{name}: {size} bytes" for name, size in sizes.items() if size > MAX_BYTES]
 
 
 def environment(dry_run: bool) -> dict:
@@ -102,19 +97,12 @@ def environment(dry_run: bool) -> dict:
 
     import torch
 
-    def version(name):
-        try:
+    def version(name):  # None where not installed
+        with contextlib.suppress(metadata.PackageNotFoundError):
             return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return None
 
-    env = {
-        "device": None,
-        "gpu_memory_gb": None,
-        "driver": None,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-    }
+    env = dict.fromkeys(("device", "gpu_memory_gb", "driver"))  # filled below, where known
+    env.update(torch=torch.__version__, cuda=torch.version.cuda)
     env.update({name: version(name) for name in ("triton", "transformers", "trl", "accelerate", "peft", "datasets")})
     env.update(python=platform.python_version(), dry_run=dry_run)
     if torch.cuda.is_available() and not dry_run:
@@ -185,17 +173,9 @@ def run_pytest(pytest_args, log_path, timeout_s, env=None, jobs=1) -> dict:
         start, children = time.monotonic(), []
         for shard, (records_path, part_log) in enumerate(zip(records_paths, logs, strict=True)):
             command = [sys.executable, os.path.abspath(__file__), "--pytest-worker", records_path, "--", *pytest_args]
-            with open(part_log, "w") as out:
-                children.append(
-                    subprocess.Popen(
-                        command,
-                        cwd=ROOT,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        env={**env, SHARD_VARIABLE: f"{shard}/{jobs}"},
-                        start_new_session=True,
-                    )
-                )
+            options = {"cwd": ROOT, "stderr": subprocess.STDOUT, "env": {**env, SHARD_VARIABLE: f"{shard}/{jobs}"}}
+            with open(part_log, "w") as out:  # each child in its own session: a stop ends its whole process group
+                children.append(subprocess.Popen(command, stdout=out, start_new_session=True, **options))
         timed_out = _wait_or_stop(children, start + max(timeout_s, 1))
         records = []
         for records_path in records_paths:
@@ -244,27 +224,17 @@ def summarise_records(records) -> dict:
     outcome, properties, failures, errors = {}, {}, [], 0
     for r in (r for r in records if r.get("event") == "report"):
         properties.update(r["properties"])
-        if r["outcome"] == "failed" and r["when"] != "call":
-            errors += 1
-            failures.append({"test": r["nodeid"], "when": r["when"], "message": r["message"]})
-            outcome.setdefault(r["nodeid"], "error")
-            continue
-        if r["when"] == "teardown":
-            continue
-        outcome[r["nodeid"]] = r["outcome"]
         if r["outcome"] == "failed":
             failures.append({"test": r["nodeid"], "when": r["when"], "message": r["message"]})
-    counts = {key: sum(v == key for v in outcome.values()) for key in ("passed", "failed", "skipped")}
+        if r["outcome"] == "failed" and r["when"] != "call":
+            errors += 1
+            outcome.setdefault(r["nodeid"], "error")
+        elif r["when"] != "teardown":
+            outcome[r["nodeid"]] = r["outcome"]
+    summary = {key: sum(v == key for v in outcome.values()) for key in ("passed", "failed", "skipped")}
+    summary.update(errors=errors, collected=collected, not_run=max(collected - len(outcome), 0), properties=properties)
     skip_reasons = sorted({r["message"] for r in records if r.get("outcome") == "skipped" and r.get("message")})
-    return {
-        **counts,
-        "errors": errors,
-        "collected": collected,
-        "not_run": max(collected - len(outcome), 0),
-        "properties": properties,
-        "failures": failures,
-        "skip_reasons": skip_reasons,
-    }
+    return summary | {"failures": failures, "skip_reasons": skip_reasons}
 
 
 def logged_recompiles(log_path) -> dict[str, int]:
@@ -278,37 +248,29 @@ def logged_recompiles(log_path) -> dict[str, int]:
 
 def run_tests_part(args, env, command, deadline) -> dict:
     log_path = os.path.join(args.out, "cuda_tests.log")
-    pytest_args = ["-v", "-s", "-rfEs", "-p", "no:cacheprovider", "tests/test_cuda.py"]
+    pytest_args = ["-v", "-s", "-rfEs", "-p", "no:cacheprovider", "tests/cuda/test_cuda.py"]
     if args.tests_k:
         pytest_args += ["-k", args.tests_k]
-    python_path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     child_env = {**os.environ, "TORCH_LOGS": os.environ.get("TORCH_LOGS", "recompiles"), "PYTHONUNBUFFERED": "1"}
-    child_env["PYTHONPATH"] = python_path
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     timeout = deadline.left() - 20 if deadline.limited else 24 * 3600
-    log(
-        "tests: pytest",
-        " ".join(pytest_args),
-        f"in {args.jobs} process(es) side by side (stopped after {timeout:.0f} s)",
-    )
+    side_by_side = f"in {args.jobs} process(es) side by side (stopped after {timeout:.0f} s)"
+    log("tests: pytest", " ".join(pytest_args), side_by_side)
     summary = run_pytest(pytest_args, log_path, timeout, env=child_env, jobs=args.jobs)
     cap_log(log_path)
-    report = summary["properties"].get("compile_report", {})
+    properties = summary["properties"]
+    report = properties.get("compile_report", {})
     data = {
-        **{key: env[key] for key in ("device", "torch", "cuda", "triton", "transformers", "trl")},
-        "command": command,
+        **{key: env[key] for key in ("device", "torch", "cuda", "triton", "transformers", "trl")}, "command": command,
         **{key: summary[key] for key in ("passed", "failed", "skipped", "errors", "not_run", "collected")},
         "recompiles": {name: report[name] for name in ("create_block_mask", "flex_attention") if name in report},
-        "peak_memory_gb": summary["properties"].get("peak_memory_gb", {}),
-        "compile_report": report,
-        "long_row_compile_report": summary["properties"].get("long_row_compile_report", {}),
+        "peak_memory_gb": properties.get("peak_memory_gb", {}), "compile_report": report,
+        "long_row_compile_report": properties.get("long_row_compile_report", {}),
         "recompiles_logged": logged_recompiles(log_path),
         "failures": [{**f, "message": (f["message"] or "")[-1500:]} for f in summary["failures"]],
-        "skip_reasons": summary["skip_reasons"],
-        "timed_out": summary["timed_out"],
-        "duration_s": summary["duration_s"],
-        "pytest": "python -m pytest " + shlex.join(pytest_args),
-        "environment": env,
-    }
+        **{key: summary[key] for key in ("skip_reasons", "timed_out", "duration_s")},
+        "pytest": "python -m pytest " + shlex.join(pytest_args), "environment": env,
+    }  # fmt: skip
     write_json(os.path.join(args.out, "gpu_tests.json"), data)
     log(
         f"tests: {data['passed']} passed, {data['failed']} failed, {data['skipped']} skipped, {data['errors']} errors,"
@@ -345,10 +307,9 @@ def merge(directories, out, command) -> None:
                 for name, kinds in part["results"].items():  # model -> kind -> profile
                     for kind, profiles in kinds.items():
                         merged["results"].setdefault(name, {}).setdefault(kind, {}).update(profiles)
-                for name, profiles in part["grpo"].items():
-                    merged["grpo"].setdefault(name, {}).update(profiles)
-                for name, profiles in part.get("attention", {}).items():
-                    merged.setdefault("attention", {}).setdefault(name, {}).update(profiles)
+                for key in ("grpo", "attention"):  # model -> profile
+                    for name, profiles in part.get(key, {}).items():
+                        merged.setdefault(key, {}).setdefault(name, {}).update(profiles)
         path = os.path.join(directory, "gpu_tests.json")
         if os.path.exists(path):
             with open(path) as f:
@@ -357,23 +318,18 @@ def merge(directories, out, command) -> None:
         raise SystemExit(f"No gpu.json or gpu_tests.json in {directories}.")
     os.makedirs(out, exist_ok=True)
     if merged is not None:
-        measured = {
-            f"{name} {kind} {profile}"
-            for name, kinds in merged["results"].items()
-            for kind, profiles in kinds.items()
-            for profile in profiles
-        } | {f"{name} grpo {profile}" for name, profiles in merged["grpo"].items() for profile in profiles}
+        measured = {f"{n} {k} {p}" for n, kinds in merged["results"].items() for k, ps in kinds.items() for p in ps}
+        measured |= {f"{name} grpo {profile}" for name, profiles in merged["grpo"].items() for profile in profiles}
         merged["not_run"] = sorted({label for label in merged["not_run"] if label not in measured})
-        merged["command"] = " && ".join(merged["commands"])
-        merged["merged_by"] = command
+        merged.update(command=" && ".join(merged["commands"]), merged_by=command)
         write_bench(merged, out)
     if tests:
         write_json(os.path.join(out, "gpu_tests.json"), merge_tests(tests))
 
 
 def merge_tests(parts) -> dict:
-    """One `gpu_tests.json` from runs over parts of tests/test_cuda.py (`--tests-k`): counts summed, measurements and
-    failures combined."""
+    """One `gpu_tests.json` from runs over parts of tests/cuda/test_cuda.py (`--tests-k`): counts summed, measurements
+    and failures combined."""
     merged = copy.deepcopy(parts[0])
     for part in parts[1:]:
         if (part["device"], part["torch"]) != (merged["device"], merged["torch"]):
@@ -397,7 +353,7 @@ def main(argv=None):
         return pytest_worker(argv[1], argv[3:] if argv[2:3] == ["--"] else argv[2:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
-    add("--part", choices=list(PARTS), default="tests", help="tests (tests/test_cuda.py), bench-small (the 0.5B "
+    add("--part", choices=list(PARTS), default="tests", help="tests (tests/cuda/test_cuda.py), bench-small (the 0.5B "
         "model), bench-large (the 3B model), bench (both), all (the three)")  # fmt: skip
     add("--out", required=True, help="folder for the files (created)")
     add("--dry-run", action="store_true", help="CPU, tiny models and lengths, the same code; nothing is measured")
@@ -411,10 +367,10 @@ def main(argv=None):
         "of FlexAttention (the kernel choice)")  # fmt: skip
     add("--skip-profile", action="store_true", help="leave out the profiled epoch per variant (GPU busy time per "
         "step and the top operators)")  # fmt: skip
-    add("--tests-k", default=None, help="pytest -k expression: run part of tests/test_cuda.py (merge the parts' "
+    add("--tests-k", default=None, help="pytest -k expression: run part of tests/cuda/test_cuda.py (merge the parts' "
         "gpu_tests.json)")  # fmt: skip
-    add("--jobs", type=int, default=1, help="tests: run tests/test_cuda.py in this many processes side by side on "
-        "the one device (each takes every n-th test; their records and logs are combined)")  # fmt: skip
+    add("--jobs", type=int, default=1, help="tests: run tests/cuda/test_cuda.py in this many processes side by side "
+        "on the one device (each takes every n-th test; their records and logs are combined)")  # fmt: skip
     add("--pairs", type=int, default=None, help="pairs per profile (default per model)")
     add("--repeats", type=int, default=None, help="timed epochs per variant (default per model)")
     add("--batch-size", type=int, default=None, help="pairs per step (default 8)")

@@ -3,8 +3,8 @@
 For every model type (default: every causal LM transformers knows), each variant of its tiny config (default, and
 where the config has them: a sliding window of 6 positions, the router's auxiliary loss), one DPO step and, where
 transformers has a sequence-classification head, one reward step, against stock TRL from identical weights, fp32, on
-tests/equivalence.py's awkward data. Outcomes: ``equal``, ``differs`` (loss, log-probs, metrics or gradients),
-``error`` (prefix sharing raised), ``stock fails`` (stock TRL itself raised).
+trl_prefix_sharing/testing/equivalence.py's awkward data. Outcomes: ``equal``, ``differs`` (loss, log-probs, metrics or
+gradients), ``error`` (prefix sharing raised), ``stock fails`` (stock TRL itself raised).
 
     PYTHONPATH=$PWD python scripts/sweep_architectures.py --write            # everything (~10 min on 2 cores)
     PYTHONPATH=$PWD python scripts/sweep_architectures.py gemma2 phi3 --write # re-measure some, keep the rest
@@ -70,10 +70,10 @@ def _run(stock_fn, shared_fn, compare_fn) -> str:
 def measure(family: str, tokenizer, dataset, timeout_s: int = TIMEOUT_S, ours=None, only=None) -> dict:
     """{variant: {"dpo": outcome, "reward": outcome or None}} for one model type; `timeout_s` per variant. `ours`: our
     config's fields (default prefix sharing on, the default kernel); `only`: the variants to measure (default all)."""
-    import equivalence as eq
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
     from trl_prefix_sharing.architectures import variant_configs, window_layout
+    from trl_prefix_sharing.testing import equivalence as eq
     from trl_prefix_sharing.testing import make_config
 
     has_head = family in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
@@ -289,12 +289,12 @@ def main() -> None:
         return
 
     import conftest  # noqa: F401  - the tests' environment (quiet, 2 threads)
-    from equivalence import awkward_text_dataset
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     import trl_prefix_sharing.support as sharing_module
     from trl_prefix_sharing.architectures import REFUSED
     from trl_prefix_sharing.testing import make_tokenizer
+    from trl_prefix_sharing.testing.equivalence import awkward_text_dataset
 
     sharing_module.check_supported_model = lambda config: None  # measure every candidate, refused ones included
     tokenizer, dataset = make_tokenizer(), awkward_text_dataset()

@@ -1,5 +1,7 @@
 import os
+import sys
 import warnings
+from pathlib import Path
 
 
 os.environ.setdefault("TQDM_DISABLE", "1")
@@ -10,6 +12,12 @@ import datasets  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+
+#: the tests are in folders by kind (unit, equivalence, integration, tools, cuda); a test module may import another's
+#: helpers by name, whichever folder it is in
+for folder in sorted(Path(__file__).parent.iterdir()):
+    if folder.is_dir() and not folder.name.startswith(("_", ".")):
+        sys.path.insert(0, str(folder))
 
 datasets.disable_progress_bars()
 datasets.disable_caching()
@@ -34,7 +42,8 @@ def fresh_compilations():
 @pytest.fixture(autouse=True)
 def preferred_kernel_timer():
     """The suite's clock for `"auto"`: the preferred kernel (SDPA on the CPU) wins whatever this machine's timing, and
-    the timed call is not run (tests of the measurement itself, `tests/test_tuning.py`, inject clocks that run it)."""
+    the timed call is not run (tests of the measurement itself, `tests/unit/test_tuning.py`, inject clocks that run
+    it)."""
     from trl_prefix_sharing import tuning
     from trl_prefix_sharing.testing import PreferredKernelTimer
 

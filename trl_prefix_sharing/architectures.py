@@ -16,7 +16,7 @@ variant gave stock's numbers; a refused family's error names the reason from `RE
 difference). What the registry cannot settle (a model type it does not list, custom code under its own type, a family
 whose tiny config failed, a window a family was not measured with) goes to the start-up check
 (`model_check`), which judges the user's own model on its first batch.
-`tests/test_architectures.py` re-runs the matrix of the supported families in CI.
+`tests/equivalence/test_architectures.py` re-runs the matrix of the supported families in CI.
 """
 
 from __future__ import annotations

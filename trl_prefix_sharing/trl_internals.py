@@ -16,9 +16,9 @@ deep in a training step. What is checked, per `Internal`:
   relies on. Those methods, and the tests that pin each against stock TRL:
   - online DPO `_forward` (its truncation and completion columns): `test_forward_scores_every_column_as_stock`;
   - ORPO and CPO `concatenated_forward` (their per-sequence log-probs, logits means and NLL):
-    `test_batch_matches_stock` in `tests/test_orpo_cpo_equivalence.py`;
+    `test_batch_matches_stock` in `tests/equivalence/test_orpo_cpo_equivalence.py`;
   - KTO `_compute_loss` (the KL rows computed before the main rows, which the merged pass fills in):
-    `tests/test_kto_equivalence.py`;
+    `tests/equivalence/test_kto_equivalence.py`;
   - GRPO and RLOO `_get_per_token_logps_and_entropies` (how it calls the model, which the shared-rows proxy answers):
     `test_crafted_batch_log_probs_and_gradients_match_stock`;
   - online DPO `_generate` (its prompts' rendering), whose tokenisation the `stats` command re-derives from TRL's

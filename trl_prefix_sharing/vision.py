@@ -45,7 +45,8 @@ __all__ = [
     "substitute",
 ]
 
-#: Vision-language families proven equal to stock TRL under prefix sharing (tests/test_vision.py): images only.
+#: Vision-language families proven equal to stock TRL under prefix sharing (tests/equivalence/test_vision.py): images
+#: only.
 VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 #: Stock batch keys that carry images and are replaced by their shared-row versions.

@@ -1,7 +1,7 @@
 """The positions `stats` counts: each micro-batch's stock rows laid out as training lays them out, with and without
 prefix sharing. DPO and reward data are collated by the trainer's own collator; the rows of a KTO or ORPO/CPO
 micro-batch are built here as TRL's collators build them (`kto_rows`, `paired_rows`:
-`tests/test_stats_trainers.py` compares them with what TRL's trainers collate) and planned by the layout training
+`tests/tools/test_stats_trainers.py` compares them with what TRL's trainers collate) and planned by the layout training
 builds (`plan_rows`); SFT's micro-batches go through the SFT trainer's own collator (TRL's, wrapped in
 `PrefixSharingCollator` with the SFT trainer's examples and prompts), so the counts are what training lays out
 (`test_stats_sft_counts_what_a_training_run_logs`). Also the packing estimate of DPO and reward data (`_packing`)."""
