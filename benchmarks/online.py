@@ -11,31 +11,24 @@ group size G, prompts and their G completions get lognormal lengths around the m
 exactly as TRL's `_generate_and_score_completions` returns it (left-padded prompts, right-padded completions, masks,
 advantages, `num_items_in_batch`): random token ids of the tokenizer's vocabulary (its special tokens left out), padded
 with its pad token, each completion ending with its EOS, so lengths are tokens. `--model smollm2` runs
-SmolLM2-135M-Instruct's trained weights and tokenizer instead of a small random Llama (`--family/--hidden-size/
---layers`). The same micro-batches go through the training step of stock TRL's trainer and of this package's with
-prefix sharing, both from the same weights (GRPO: TRL's `compute_loss` and backward, `--beta > 0` adds the reference
-pass, as TRL computes it before the step; online DPO: TRL's `_forward` of the policy with backward, and of the
-reference). Timed repeats of the variants are interleaved (rotating order) and the median taken: ratios from one run,
-since the machine is noisy. Generation (the model's own `generate` of the same lengths, which prefix sharing does not
-change) is timed once per profile to report the speedup with generation included.
+SmolLM2-135M-Instruct's trained weights and tokenizer instead of a small random Llama
+(`--family/--hidden-size/--layers`). The same micro-batches go through the training step (`STEPS`) of stock TRL's
+trainer and of this package's with prefix sharing, both from the same weights; timed repeats are interleaved (rotating
+order) and the median taken: ratios from one run, since the machine is noisy. Generation (the model's own `generate` of
+the same lengths, which prefix sharing does not change) is timed once per profile for the speedup with generation
+included.
 
-Positions are counted per micro-batch as the step runs it (online DPO: after TRL's left truncation to `max_length`):
-stock's padded rows (rows x width) and its real tokens (online DPO: the positions stock scores, its completions'
-trailing padding included, which the shared layout scores too), the shared rows (rows x width) and their real tokens.
-*Padding* = stock padded / stock real: what removing stock's padding alone would save. *Sharing ideal* = stock real /
-shared real: what computing each prompt once saves, `G(P+C) / (P+GC)` for equal lengths. *Ideal* = stock padded /
-shared padded: the positions the two forwards run, padding and sharing together; the *share of ideal* is the step
-speedup over it. *Dense attention* = stock / shared attention scores of a dense mask (rows x width^2 per layer and
-head, what SDPA computes on CPU): lower than the ideal where the shared rows are longer than stock's
-(completion-heavy groups). Activation memory: bytes autograd saves for backward in one step, the second (`"auto"`
-measures its kernels in the first, passes that are not the step's). Writes `<trainer>_<mode>.md` and
-`<trainer>_<mode>.json` (`benchmarks.results`' schema, with the settings and versions).
+Positions are counted per micro-batch as the step runs it (online DPO: after TRL's left truncation to `max_length`;
+`positions`); activation memory is the bytes autograd saves for backward in one step, the second (`"auto"` measures its
+kernels in the first, passes that are not the step's). Writes `<trainer>_<mode>.md`, which says what each column means,
+and `<trainer>_<mode>.json` (`benchmarks.results`' schema, with the settings and versions).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import random
 import statistics
 import tempfile
@@ -47,7 +40,7 @@ from trl_prefix_sharing.testing.trainers import build_trainer
 from .data import lognormal
 from .measure import SavedTensors, clone_batch, interleave
 from .models import add_model_options, build_model, check_model_options, describe_smollm2, quiet_setup
-from .results import command_line, markdown_table, versions, write_result
+from .results import command_line, document, markdown_table, versions, write_result
 
 
 TITLES = {"grpo": "GRPO", "online_dpo": "Online DPO"}
@@ -86,15 +79,12 @@ def generation_batch(profile, groups, g, scale, tokenizer, seed, device):
     def padded(rows, value, side):
         return pad_tensors([torch.tensor(row) for row in rows], padding_value=value, padding_side=side).to(device)
 
+    prompt_mask = padded([[1] * len(p) for p in prompts], 0, "left")
     completion_mask = padded([[1] * len(c) for c in completions], 0, "right")
-    return {
-        "prompt_ids": padded(prompts, pad, "left"),
-        "prompt_mask": padded([[1] * len(p) for p in prompts], 0, "left"),
-        "completion_ids": padded(completions, pad, "right"),
-        "completion_mask": completion_mask,
-        "advantages": torch.tensor([rng.gauss(0, 1) for _ in prompts]).to(device),
-        "num_items_in_batch": completion_mask.sum(),
-    }
+    batch = {"prompt_ids": padded(prompts, pad, "left"), "prompt_mask": prompt_mask}
+    batch.update(completion_ids=padded(completions, pad, "right"), completion_mask=completion_mask)
+    advantages = torch.tensor([rng.gauss(0, 1) for _ in prompts]).to(device)
+    return {**batch, "advantages": advantages, "num_items_in_batch": completion_mask.sum()}
 
 
 def micro_batches(batch, rows):
@@ -109,27 +99,17 @@ def make_trainer(variant, model, tokenizer, args, tmp):
     from datasets import Dataset
     from trl.trainer.utils import add_fused_lm_head
 
-    online_dpo = args.trainer == "online_dpo"
-    trainer = build_trainer(
-        args.trainer,
-        stock=variant == "stock",
-        model=model,
-        ref_model=model if online_dpo else None,
-        tokenizer=tokenizer,
-        train_dataset=Dataset.from_list([{"prompt": "w1"}] * 8),
-        output_dir=f"{tmp}/{variant}",
-        per_device_train_batch_size=args.rows,
-        bf16=args.mode == "gpu",
-        use_cpu=args.mode == "cpu",
-        gradient_checkpointing=args.gradient_checkpointing,
-        **({} if online_dpo else {"num_generations": args.num_generations}),
-        **({} if variant == "stock" else {"prefix_sharing": True}),
-    )
+    online_dpo, stock = args.trainer == "online_dpo", variant == "stock"
+    options = {"ref_model": model} if online_dpo else {"num_generations": args.num_generations}
+    options.update({} if stock else {"prefix_sharing": True}, gradient_checkpointing=args.gradient_checkpointing)
+    options.update(per_device_train_batch_size=args.rows, bf16=args.mode == "gpu", use_cpu=args.mode == "cpu")
+    options.update(output_dir=f"{tmp}/{variant}", train_dataset=Dataset.from_list([{"prompt": "w1"}] * 8))
+    trainer = build_trainer(args.trainer, stock=stock, model=model, tokenizer=tokenizer, **options)
     if args.beta and not online_dpo:
         trainer.beta = args.beta
         trainer.ref_model = copy.deepcopy(model).eval()
         add_fused_lm_head(trainer.ref_model)
-        if variant == "sharing":  # set up again, the reference model included
+        if not stock:  # set up again, the reference model included
             trainer.sharing_session.detach()
             trainer.sharing_session = None
             trainer._setup_prefix_sharing()
@@ -137,15 +117,15 @@ def make_trainer(variant, model, tokenizer, args, tmp):
 
 
 def grpo_step(trainer, batch):
+    """TRL's `compute_loss` + backward, after the reference pass TRL runs before the step when `beta > 0`."""
     import torch
 
     if trainer.beta:
+        ids, mask = (torch.cat([batch[f"prompt_{k}"], batch[f"completion_{k}"]], dim=1) for k in ("ids", "mask"))
+        width = batch["completion_ids"].shape[1]  # the logits TRL keeps: the completions'
         with torch.no_grad():
-            ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-            mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-            batch["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
-                trainer.ref_model, ids, mask, batch["completion_ids"].shape[1]
-            )[0]
+            logps = trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask, width)[0]
+        batch["ref_per_token_logps"] = logps
     trainer.compute_loss(trainer.model, batch).backward()
 
 
@@ -166,10 +146,9 @@ def training_step(trainer, batches, cuda, args):
     import torch
 
     step = online_dpo_step if args.trainer == "online_dpo" else grpo_step
-    batches = [clone_batch(batch) for batch in batches]
-    saved = 0
-    if cuda:
-        torch.cuda.synchronize()
+    batches, saved = [clone_batch(batch) for batch in batches], 0
+    synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+    synchronize()
     start = time.perf_counter()
     trainer.model.train()
     for batch in batches:
@@ -177,8 +156,7 @@ def training_step(trainer, batches, cuda, args):
             step(trainer, batch)
         saved = max(saved, tensors.bytes)
     trainer.model.zero_grad(set_to_none=True)
-    if cuda:
-        torch.cuda.synchronize()
+    synchronize()
     return time.perf_counter() - start, saved
 
 
@@ -188,16 +166,10 @@ def generation_time(model, batch, cuda, pad_token_id=0):
 
     model = model.eval()
     length = batch["completion_ids"].shape[1]
+    options = dict(do_sample=True, max_new_tokens=length, min_new_tokens=length, pad_token_id=pad_token_id)
     start = time.perf_counter()
     with torch.no_grad():
-        model.generate(
-            input_ids=batch["prompt_ids"],
-            attention_mask=batch["prompt_mask"],
-            do_sample=True,
-            max_new_tokens=length,
-            min_new_tokens=length,
-            pad_token_id=pad_token_id,
-        )
+        model.generate(input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"], **options)
     if cuda:
         torch.cuda.synchronize()
     return time.perf_counter() - start
@@ -212,8 +184,8 @@ def positions(batches, trainer, online_dpo=False):
     from trl_prefix_sharing.layout import build_layout
     from trl_prefix_sharing.trie import StockRows
 
-    counts = {f"{side}_{key}": 0 for key in ("padded_positions", "positions") for side in ("stock", "shared")}
-    counts.update(stock_attention_scores=0, shared_attention_scores=0)
+    keys = ("padded_positions", "positions", "attention_scores")
+    counts = {f"{side}_{key}": 0 for key in keys for side in ("stock", "shared")}
     for b in batches:
         prompt_ids, prompt_mask = b["prompt_ids"], b["prompt_mask"]
         if online_dpo:  # TRL's left truncation to `max_length`, in both variants' `_forward`
@@ -239,26 +211,16 @@ def compare(batch, counts, times, activations):
     their ratios (padding, sharing ideal, total ideal, dense attention), the median step times (`times`: variant ->
     timed steps) and the speedup, and the activation memory (`activations`: variant -> bytes)."""
     step = {variant: statistics.median(t) for variant, t in times.items()}
-    ideal = counts["stock_padded_positions"] / counts["shared_padded_positions"]
+    prompt, completion = (int(batch[key].sum()) / batch[key].shape[0] for key in ("prompt_mask", "completion_mask"))
+    entry = {"prompt_tokens": prompt, "completion_tokens": completion, "p_over_c": prompt / completion, **counts}
+    entry["padding"] = counts["stock_padded_positions"] / counts["stock_positions"]
+    entry["sharing_ideal"] = counts["stock_positions"] / counts["shared_positions"]
+    entry["total_ideal"] = ideal = counts["stock_padded_positions"] / counts["shared_padded_positions"]
+    entry["dense_attention_ratio"] = counts["stock_attention_scores"] / counts["shared_attention_scores"]
     speedup = step["stock"] / step["sharing"]
-    prompt_tokens = int(batch["prompt_mask"].sum()) / batch["prompt_mask"].shape[0]
-    completion_tokens = int(batch["completion_mask"].sum()) / batch["completion_mask"].shape[0]
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "p_over_c": prompt_tokens / completion_tokens,
-        **counts,
-        "padding": counts["stock_padded_positions"] / counts["stock_positions"],
-        "sharing_ideal": counts["stock_positions"] / counts["shared_positions"],
-        "total_ideal": ideal,
-        "dense_attention_ratio": counts["stock_attention_scores"] / counts["shared_attention_scores"],
-        "step_s": step,
-        "step_times_s": times,
-        "speedup": speedup,
-        "share_of_total_ideal": speedup / ideal,
-        "activation_bytes": activations,
-        "activation_ratio": activations["sharing"] / activations["stock"],
-    }
+    entry.update(step_s=step, step_times_s=times, speedup=speedup, share_of_total_ideal=speedup / ideal)
+    entry.update(activation_bytes=activations, activation_ratio=activations["sharing"] / activations["stock"])
+    return entry
 
 
 def run(profile, g, model, tokenizer, args, tmp):
@@ -283,14 +245,21 @@ def run(profile, g, model, tokenizer, args, tmp):
 
 
 def write(results, args, data):
-    lines = [
+    """Write `<trainer>_<mode>.md` (the settings, what the columns mean, the table) and `<trainer>_<mode>.json`."""
+    header = "profile|G|prompt|completion|p/c|padding|sharing ideal|ideal|dense attention|step speedup|share of ideal"
+    header += "|with generation|activation memory, sharing / stock"
+    rows = [
+        [r["profile"], r["G"], f"{r['prompt_tokens']:.0f}", f"{r['completion_tokens']:.0f}", f"{r['p_over_c']:.2f}"]
+        + [f"{r[key]:.2f}x" for key in ("padding", "sharing_ideal", "total_ideal", "dense_attention_ratio", "speedup")]
+        + [f"{r['share_of_total_ideal']:.2f}", f"{r['speedup_with_generation']:.2f}x", f"{r['activation_ratio']:.2f}"]
+        for r in results
+    ]
+    lines = document(
         f"# {TITLES[args.trainer]}: stock TRL vs prefix sharing ({args.mode.upper()})",
-        "",
         f"Made by `{data['command']}` ({data['device']}; torch {data['torch']}, transformers {data['transformers']}, "
         f"trl {data['trl']}; {data['model']}; lengths x {args.length_scale}; {args.groups_per_step} prompts x G "
         f"generations per micro-batch, {args.micro_batches} micro-batches per step; beta={args.beta}; median of "
         f"{args.repeats} interleaved repeats).",
-        "",
         f"Training step = {STEPS[args.trainer]}, over every micro-batch of one generation batch. Positions are "
         "counted per micro-batch as the step runs it: stock's rows are padded (left-padded prompts, right-padded "
         "completions, rows x width), the shared rows too (rows x width). *Padding* = stock padded / stock real "
@@ -301,17 +270,9 @@ def write(results, args, data):
         "stock / shared attention scores of a dense mask (rows x width² per layer and head; SDPA on CPU computes them "
         "all), which the positions leave out: lower than the ideal where the shared rows are longer than stock's "
         "(completion-heavy groups). Generation (the same in both) is timed once with the model's `generate`.",
-        "",
-    ]
-    header = "profile|G|prompt|completion|p/c|padding|sharing ideal|ideal|dense attention|step speedup|share of ideal"
-    header += "|with generation|activation memory, sharing / stock"
-    rows = [
-        [r["profile"], r["G"], f"{r['prompt_tokens']:.0f}", f"{r['completion_tokens']:.0f}", f"{r['p_over_c']:.2f}"]
-        + [f"{r[key]:.2f}x" for key in ("padding", "sharing_ideal", "total_ideal", "dense_attention_ratio", "speedup")]
-        + [f"{r['share_of_total_ideal']:.2f}", f"{r['speedup_with_generation']:.2f}x", f"{r['activation_ratio']:.2f}"]
-        for r in results
-    ]
-    write_result(args.out, f"{args.trainer}_{args.mode}", data, lines + markdown_table(header.split("|"), rows))
+        markdown_table(header, rows),
+    )
+    write_result(args.out, f"{args.trainer}_{args.mode}", data, lines)
 
 
 def main():
@@ -343,20 +304,14 @@ def main():
         model_desc = f"{describe_smollm2(model)}, {'bf16' if args.mode == 'gpu' else 'fp32'}, SDPA"
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for profile in args.profiles.split(","):
-            for g in map(int, args.generations.split(",")):
-                result = run(profile, g, model, tokenizer, args, tmp)
-                print(
-                    f"{profile} G={g}: padding {result['padding']:.2f}x, sharing {result['sharing_ideal']:.2f}x, "
-                    f"ideal {result['total_ideal']:.2f}x, step {result['speedup']:.2f}x "
-                    f"({result['share_of_total_ideal']:.2f} of ideal), activations x{result['activation_ratio']:.2f}",
-                    flush=True,
-                )
-                results.append(result)
-    settings = {"length_scale": args.length_scale, "beta": args.beta, "groups_per_micro_batch": args.groups_per_step}
-    settings.update(micro_batches=args.micro_batches, repeats=args.repeats)
-    data = {"command": command, "device": device, "model": model_desc, **versions(), **settings, "results": results}
-    write(results, args, data)
+        for profile, g in itertools.product(args.profiles.split(","), map(int, args.generations.split(","))):
+            results.append(r := run(profile, g, model, tokenizer, args, tmp))
+            ideal = f"padding {r['padding']:.2f}x, sharing {r['sharing_ideal']:.2f}x, ideal {r['total_ideal']:.2f}x"
+            step = f"step {r['speedup']:.2f}x ({r['share_of_total_ideal']:.2f} of ideal)"
+            print(f"{profile} G={g}: {ideal}, {step}, activations x{r['activation_ratio']:.2f}", flush=True)
+    data = {"command": command, "device": device, "model": model_desc, **versions(), "length_scale": args.length_scale}
+    data.update(beta=args.beta, groups_per_micro_batch=args.groups_per_step, micro_batches=args.micro_batches)
+    write(results, args, {**data, "repeats": args.repeats, "results": results})
 
 
 if __name__ == "__main__":
