@@ -246,6 +246,16 @@ def logged_recompiles(log_path) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+def not_collected(tests: dict) -> str | None:
+    """Why the tests part proved nothing although no test failed: pytest collected none (an import error in the test
+    module, or a `--tests-k` that matches nothing) or stopped with an error of its own (exit status 2 to 5)."""
+    if tests["pytest_returncode"] not in (0, 1) and not tests["timed_out"]:
+        return f"pytest exited with status {tests['pytest_returncode']} (see cuda_tests.log)"
+    if not tests["collected"]:
+        return "pytest collected no test (see cuda_tests.log)"
+    return None
+
+
 def run_tests_part(args, env, command, deadline) -> dict:
     log_path = os.path.join(args.out, "cuda_tests.log")
     pytest_args = ["-v", "-s", "-rfEs", "-p", "no:cacheprovider", "tests/cuda/test_cuda.py"]
@@ -263,6 +273,7 @@ def run_tests_part(args, env, command, deadline) -> dict:
     data = {
         **{key: env[key] for key in ("device", "torch", "cuda", "triton", "transformers", "trl")}, "command": command,
         **{key: summary[key] for key in ("passed", "failed", "skipped", "errors", "not_run", "collected")},
+        "pytest_returncode": summary["returncode"],
         "recompiles": {name: report[name] for name in ("create_block_mask", "flex_attention") if name in report},
         "peak_memory_gb": properties.get("peak_memory_gb", {}), "compile_report": report,
         "long_row_compile_report": properties.get("long_row_compile_report", {}),
@@ -277,6 +288,8 @@ def run_tests_part(args, env, command, deadline) -> dict:
         f" {data['not_run']} not run of {data['collected']} in {data['duration_s']} s; recompiles {data['recompiles']}"
         f"; peak memory {data['peak_memory_gb']}"
     )
+    if not_collected(data):
+        log("tests: nothing proved:", not_collected(data))
     for failure in data["failures"]:
         log("  failed:", failure["test"], (failure["message"] or "").strip().splitlines()[-1:])
     return data
@@ -396,7 +409,7 @@ def main(argv=None):
     status = 0
     if part["tests"]:
         tests = run_tests_part(args, env, command, deadline)
-        status |= bool(tests["failed"] or tests["errors"] or tests["not_run"])
+        status |= bool(tests["failed"] or tests["errors"] or tests["not_run"] or not_collected(tests))
     if part["models"]:
         run_bench_part(args, env, command, deadline, part["models"])
     problems = check_outputs(args.out)

@@ -283,6 +283,20 @@ def test_pytest_runner_stops_at_its_time_limit_and_keeps_what_finished(tmp_path)
     assert "stopped after 6 s" in log.read_text()
 
 
+@pytest.mark.long
+def test_a_test_file_that_does_not_import_fails_the_tests_part(tmp_path):
+    """A collection error is not a pass: pytest collected nothing and exited with an error, so the tests part proved
+    nothing and its status says so (it used to report 0 of 0 and succeed)."""
+    (tmp_path / "test_broken.py").write_text("import not_a_module_anywhere\n\n\ndef test_x():\n    pass\n")
+    pytest_args = ["-p", "no:cacheprovider", str(tmp_path / "test_broken.py")]
+    summary = gpu_check.run_pytest(pytest_args, tmp_path / "log.txt", 120)
+    assert (summary["passed"], summary["failed"], summary["collected"]) == (0, 0, 0)
+    tests = {"pytest_returncode": summary["returncode"], "timed_out": False, "collected": summary["collected"]}
+    assert "exited with status 2" in gpu_check.not_collected(tests)
+    assert "collected no test" in gpu_check.not_collected({**tests, "pytest_returncode": 0})
+    assert gpu_check.not_collected({**tests, "pytest_returncode": 1, "collected": 3}) is None  # failures count apart
+
+
 def test_logged_recompiles_are_counted_per_function(tmp_path):
     log = tmp_path / "log.txt"
     log.write_text(
