@@ -15,7 +15,7 @@ import string
 import sys
 
 
-__all__ = ["CELLS", "command_line", "document", "markdown_table", "ratio", "times", "versions", "write_result"]
+__all__ = ["CELLS", "command_line", "document", "markdown_table", "times", "versions", "write_result"]
 
 
 def command_line(module: str, argv: list[str] | None = None) -> str:
@@ -51,11 +51,6 @@ def versions() -> dict[str, str]:
     import trl
 
     return {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__}
-
-
-def ratio(slow: float, fast: float, digits: int = 2) -> float | None:
-    """`slow / fast` rounded (a speedup when `slow` is stock's time), or `None` where `fast` is 0."""
-    return round(slow / fast, digits) if fast else None
 
 
 def times(slow: float, fast: float, digits: int = 2) -> str:

@@ -212,7 +212,7 @@ class PackedBatches:
         )
 
 
-def _metric_weights(trainer, mode, inputs, pairs, before) -> None:
+def _record_metric_weights(trainer, mode, inputs, pairs, before) -> None:
     """Record what each metric TRL just logged averaged over in this micro-batch (pairs, or completion tokens), for
     the weighted mean of `PackingMixin.log`."""
     mask = inputs.get("completion_mask")
@@ -306,7 +306,7 @@ class PackingMixin:
         pairs = self._pairs_in(inputs)
         with variable_size_gathers(self.accelerator):  # ranks hold different numbers of pairs
             result = self._base_compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        _metric_weights(self, mode, inputs, pairs, before)
+        _record_metric_weights(self, mode, inputs, pairs, before)
         if mode == "train" and self._pairs_in_window:
             # TRL averages over the pairs of this micro-batch; make it a sum over the pairs of the whole step (every
             # micro-batch of every rank), undoing the Trainer's division by the accumulation steps and DDP's mean.
