@@ -1,8 +1,10 @@
-"""What prefix sharing supports, checked before anything trains: the processor, the PEFT kind, the architecture,
-dropout, and, at the start of training, that the shared forward is still in place. Each refusal names its cause and
-the way out."""
+"""What prefix sharing supports, checked before anything trains: the model's path, the processor, the PEFT kind, the
+architecture, dropout, and, at the start of training, that the shared forward is still in place. Each refusal names
+its cause and the way out."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from transformers.utils import logging
@@ -18,7 +20,9 @@ __all__ = [
     "check_adapter",
     "check_architecture",
     "check_forward_in_place",
+    "check_local_model_path",
     "check_model_and_processor",
+    "is_local_model_path",
 ]
 
 logger = logging.get_logger(__name__)
@@ -27,8 +31,8 @@ logger = logging.get_logger(__name__)
 def check_model_and_processor(
     trainer_name: str, model, processing_class, peft_config, trust_remote_code: bool, supports_vision: bool
 ) -> None:
-    """The checks before TRL builds anything: processor, PEFT kind and architecture (a clear error, never a silently
-    wrong number)."""
+    """The checks before TRL builds anything: processor, PEFT kind, the path of a model given by name, and
+    architecture (a clear error, never a silently wrong number)."""
     from transformers import ProcessorMixin
 
     if isinstance(processing_class, ProcessorMixin) and not supports_vision:
@@ -45,6 +49,7 @@ def check_model_and_processor(
     if isinstance(model, str):
         from transformers import AutoConfig
 
+        check_local_model_path(model)
         config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     else:
         config = model.config
@@ -60,6 +65,31 @@ def check_model_and_processor(
             f"Prefix sharing: this model runs custom code (`auto_map`) but declares the measured model type "
             f"'{config.model_type}', so it is trusted as that type. Set `prefix_sharing_model_check=\"always\"` to "
             "have the start-up check judge it at its first batch."
+        )
+
+
+def is_local_model_path(name: str) -> bool:
+    """Whether the model name `name` can only be a local path, never a Hub model id: it starts like a path (`/`,
+    `./`, `../`, `~`), or it is no valid Hub id (`name` or `namespace/name`, of letters, digits, `-`, `_` and `.`:
+    `huggingface_hub`'s own rule, checked without the network)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if name.startswith((".", "/", "~")):
+        return True
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return True
+    return False
+
+
+def check_local_model_path(name: str) -> None:
+    """An error for a model named by a local path that does not exist (`is_local_model_path`), which transformers
+    would take for a Hub id and refuse at length; a Hub id is left to transformers (the trainers and the command line
+    share this rule)."""
+    if is_local_model_path(name) and not Path(name).expanduser().exists():
+        raise FileNotFoundError(
+            f"Model {name!r} not found: no such directory; pass a local model directory or a Hub model id."
         )
 
 

@@ -28,6 +28,16 @@ class Columns:
         """Whether a dataset with `columns` holds one of the accepted sets in full."""
         return any(required <= set(columns) for required in self.accepted)
 
+    def with_text_field(self, name: str) -> Columns:
+        """These columns with plain text read from the column `name` instead of `text` (SFT's `dataset_text_field`);
+        the same columns where no accepted set holds `text`."""
+        if name == "text" or not any("text" in required for required in self.accepted):
+            return self
+        accepted = tuple(
+            frozenset(name if column == "text" else column for column in required) for required in self.accepted
+        )
+        return Columns(accepted, self.needs.replace("'text'", repr(name)))
+
 
 @dataclass(frozen=True)
 class TrainerSpec:
@@ -258,8 +268,16 @@ TRAINERS: dict[str, TrainerSpec] = {
             guards=("sft",),
             data="sft",
             columns=Columns(
-                (frozenset({"text"}), frozenset({"messages"}), frozenset({"prompt", "completion"})),
-                "an SFT dataset needs 'text', 'messages', or 'prompt' and 'completion', text or conversational.",
+                (
+                    frozenset({"text"}),
+                    frozenset({"messages"}),
+                    frozenset({"conversations"}),
+                    frozenset({"prompt", "completion"}),
+                    frozenset({"input_ids"}),
+                ),
+                "an SFT dataset needs 'text', 'messages' (or ShareGPT's 'conversations'), or 'prompt' and "
+                "'completion', text or conversational, or pre-tokenized 'input_ids'; 'text' is the config's "
+                "`dataset_text_field`.",
             ),
             summary="SFT (TRL's `trl sft` arguments + prefix_sharing)",
         ),

@@ -20,6 +20,7 @@ __all__ = [
     "check_rows_left",
     "dataset_columns",
     "dataset_sizes",
+    "needed_columns",
     "validate_preference_rows",
 ]
 
@@ -110,14 +111,17 @@ def validate_preference_rows(dataset, name: str) -> None:
                 raise ValueError(f"{name} row {index}: 'margin' is {margin!r}; it must be a finite number.")
 
 
-def check_dataset_columns(dataset, name: str, needed: Columns, allow_images: bool = False) -> None:
+def check_dataset_columns(
+    dataset, name: str, needed: Columns | None, allow_images: bool = False, rows: bool = True
+) -> None:
     """Clear errors for vision datasets (unless `allow_images`) and missing columns (a trainer's `needed`, from the
-    table of trainers), before TRL's preprocessing."""
+    table of trainers, or None: any columns), before TRL's preprocessing; with `rows`, the rows of preference data
+    too (`validate_preference_rows`)."""
     if dataset is None:
         return
     if isinstance(dataset, dict):
         for key, value in dataset.items():
-            check_dataset_columns(value, f"{name}[{key!r}]", needed, allow_images)
+            check_dataset_columns(value, f"{name}[{key!r}]", needed, allow_images, rows)
         return
     columns = dataset_columns(dataset, name)
     if columns is None:
@@ -128,9 +132,22 @@ def check_dataset_columns(dataset, name: str, needed: Columns, allow_images: boo
             f"model ({', '.join(VISION_MODEL_TYPES)}) and its processor as `processing_class`; TRL 1.16's "
             "RewardTrainer has no image support. Otherwise train it with `prefix_sharing=False`."
         )
-    if not needed.accept(columns):
+    if needed is not None and not needed.accept(columns):
         raise ValueError(f"The {name} dataset has columns {sorted(columns)}; {needed.needs}")
-    validate_preference_rows(dataset, name)
+    if rows:
+        validate_preference_rows(dataset, name)
+
+
+def needed_columns(columns: Columns, args, formats_rows: bool = False) -> Columns | None:
+    """The columns a trainer's datasets need under its config `args` (`columns`: its entry's in the table of
+    trainers): SFT reads plain text from the config's `dataset_text_field`, and takes any columns where TRL does not
+    read them itself (None): with a formatting function (`formats_rows`), which makes each row's text, or with
+    `dataset_kwargs={"skip_prepare_dataset": True}`, which hands the rows to the collator as they are."""
+    dataset_kwargs = getattr(args, "dataset_kwargs", None)
+    if formats_rows or (isinstance(dataset_kwargs, dict) and dataset_kwargs.get("skip_prepare_dataset", False)):
+        return None
+    text_field = getattr(args, "dataset_text_field", None)
+    return columns if text_field is None else columns.with_text_field(text_field)
 
 
 #: how alike a column's name must be to "prompt" to be taken for a misspelling of it (difflib's ratio: "promt" 0.91,

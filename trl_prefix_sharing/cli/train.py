@@ -308,13 +308,13 @@ def check_inputs(command: str, script_args, training_args, model_args, dataset_a
 
 
 def check_model_path(model_name_or_path: str | None) -> None:
+    """A model is required; a local path that does not exist is an error (the trainers' rule,
+    `support.check_local_model_path`)."""
     if not model_name_or_path:
         raise ValueError("`--model_name_or_path` is required.")
-    if model_name_or_path.startswith((".", "/", "~")) and not Path(os.path.expanduser(model_name_or_path)).exists():
-        raise FileNotFoundError(
-            f"Model {model_name_or_path!r} not found: no such directory; pass a local model directory or a Hub "
-            "model id."
-        )
+    from ..support import check_local_model_path  # imports torch: on first use, not with `--help`
+
+    check_local_model_path(model_name_or_path)
 
 
 #: errors raised while setting up (arguments, paths, dataset, model, trainer): printed as one line, not a traceback
