@@ -275,11 +275,11 @@ def main(argv=None):
     from transformers.utils import logging as hf_logging
 
     from trl_prefix_sharing import DPOConfig, DPOTrainer
-    from trl_prefix_sharing.collated import logger as sharing_logger
+    from trl_prefix_sharing.sharing import logger as sharing_logger
 
     datasets.disable_progress_bars()
     hf_logging.set_verbosity_error()
-    sharing_logger.setLevel("ERROR")  # its start-up summary is printed below, once
+    sharing_logger.setLevel("ERROR")  # its start-up lines are printed below, once, not between progress bars
     torch.manual_seed(0)
     model, tokenizer, dataset, what, training = (tiny_setup if args.quick else real_setup)(args)
     print(f"Demo: {what}; CPU, fp32, {args.steps} steps of {args.batch_size} pairs.", flush=True)
@@ -308,7 +308,10 @@ def report(trainers, turns, quick: bool) -> None:
         for name, trainer in trainers.items()
     }
     stock, shared = results["stock TRL"], results["prefix sharing"]
-    print(shared["trainer"].sharing_stats.summary())
+    measured = shared["trainer"].sharing_session.tuning.summary  # what "auto" measured on the first micro-batch
+    if measured:
+        print(f"Prefix sharing ('auto'): {measured}.")
+    print(shared["trainer"].shared_positions.line)
     print(f"\n{'step':>4}  {'stock TRL loss':>15}  {'prefix-shared loss':>19}  {'|difference|':>12}")
     worst = 0.0
     for a, b in zip(stock["logs"], shared["logs"], strict=True):
@@ -322,11 +325,6 @@ def report(trainers, turns, quick: bool) -> None:
         f"token positions computed by the policy: stock {stock_tokens:,}, prefix sharing {shared_tokens:,} "
         f"({stock_tokens / shared_tokens:.2f}x fewer)"
     )
-    if not quick:
-        print(
-            "  (more than the per-example figure above: each step holds one question's three pairs, and their "
-            "prompt is computed once for all six answers)"
-        )
     model = "a tiny random model" if quick else "SmolLM2-135M-Instruct"
     print(
         f"median step time (the runs take turns, step by step, first step left out): stock {stock['step']:.2f}s, "

@@ -13,14 +13,17 @@ from transformers.utils import logging
 
 from .collator import PrefixSharingCollator
 from .examples import example_ids, prompt_lengths
-from .packing import PackingMixin
-from .savings import sharing_stats
+from .packing import PackingMixin, prompt_groups
+from .savings import grouping_gain
 from .sharing import PrefixSharingMixin
 
 
 __all__ = ["CollatedSharingMixin", "PreferenceSharingMixin"]
 
 logger = logging.get_logger(__name__)
+
+#: the examples of the training set `_grouping_hint` lays out in both orders (once, before training)
+GROUPING_SAMPLE = 1024
 
 
 class CollatedSharingMixin(PrefixSharingMixin):
@@ -31,6 +34,7 @@ class CollatedSharingMixin(PrefixSharingMixin):
     _resumes_shared_positions = False  # as TRL's DPO, reward and SFT trainers restart `num_tokens`
     _examples_of = staticmethod(example_ids)
     _prompts_of = staticmethod(prompt_lengths)
+    _prompt_groups_of = staticmethod(prompt_groups)  # the prompt group of every example (`group_by_prompt`)
 
     def _setup_collator(self) -> None:
         """The stock collator wrapped to add each batch's layout, its rows as the session rounds them."""
@@ -61,13 +65,39 @@ class CollatedSharingMixin(PrefixSharingMixin):
         )
         return self.sharing_session.prepare(inputs)
 
+    def train(self, *args, **kwargs):
+        if self.prefix_sharing and self.shared_positions.line is None:
+            self.shared_positions.hint = self._grouping_hint()
+        return super().train(*args, **kwargs)
+
+    def _grouping_hint(self) -> str:
+        """Where keeping each prompt's examples in one micro-batch (`group_by_prompt=True`) would share noticeably
+        more than the sampler's micro-batches do, on the training set's first `GROUPING_SAMPLE` examples: the start-up
+        line's ending (`savings.grouping_gain`), else nothing."""
+        args = self.args
+        dataset = self.train_dataset
+        if getattr(args, "group_by_prompt", True) or self.packing or args.per_device_train_batch_size < 2:
+            return ""
+        if not isinstance(dataset, Dataset):
+            return ""
+        dataset = dataset.select(range(min(len(dataset), GROUPING_SAMPLE)))
+        try:
+            groups = self._prompt_groups_of(dataset)
+        except ValueError:  # no prompts to group by (SFT data trained on every token)
+            return ""
+        if len(set(groups)) == len(groups):
+            return ""
+        shuffled = getattr(args, "train_sampling_strategy", "random") != "sequential"
+        gain = grouping_gain(dataset, self.data_collator, groups, args.per_device_train_batch_size, shuffled)
+        return gain.hint()
+
     def _share_batch(self, inputs) -> None:
         """A step's first act, before TRL's loss (or packing's, which may route a batch past TRL's `compute_loss`):
         the batch's layout prepared, and the positions of a training forward counted."""
         if self.sharing_session is not None:
             layout = self._prepare_layout(inputs)
             if self.model.training:  # the dataset's line was logged at `train()`
-                self.shared_positions.count(layout.num_positions)
+                self.shared_positions.count(layout, inputs["attention_mask"])
 
 
 class PreferenceSharingMixin(PackingMixin, CollatedSharingMixin):
@@ -87,14 +117,3 @@ class PreferenceSharingMixin(PackingMixin, CollatedSharingMixin):
         return super().compute_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )
-
-    def _init_prefix_sharing(self, model, args, processing_class, peft_config=None, datasets=None) -> None:
-        super()._init_prefix_sharing(model, args, processing_class, peft_config, datasets)
-        self.sharing_stats = None
-
-    def train(self, *args, **kwargs):
-        if self.prefix_sharing and self.sharing_stats is None and isinstance(self.train_dataset, Dataset):
-            self.sharing_stats = sharing_stats(self.train_dataset, self.data_collator)
-            if self.args.should_log:
-                logger.warning(self.sharing_stats.summary())
-        return super().train(*args, **kwargs)

@@ -116,7 +116,7 @@ class ConcatenatedSharingMixin(PrefixSharingMixin):
             StockRows(input_ids, attention_mask, examples=examples, score_padding=score_padding)
         )
         if self.model.training and torch.is_grad_enabled():
-            self.shared_positions.count(layout.num_positions, attention_mask)
+            self.shared_positions.count(layout, attention_mask)
         # each column's next token (scored padding: every column, padding included, a placeholder for the last one;
         # else the columns that predict a real token)
         next_ids = (

@@ -111,7 +111,7 @@ class _SharedRowsModel:
         if torch.is_grad_enabled():
             trainer = self.trainer
             note = f" (groups of {trainer.num_generations} generations, {input_ids.shape[0]} rows)"
-            trainer.shared_positions.count(layout.num_positions, attention_mask, note=note)
+            trainer.shared_positions.count(layout, attention_mask, note=note)
         return self.model(**kwargs, prefix_sharing=layout)
 
 

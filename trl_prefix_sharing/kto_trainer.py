@@ -153,14 +153,13 @@ class _SharedKTOBatch:
             )
         return self._layouts["merged_rows"]
 
-    def policy_positions(self, calculate_kl: bool) -> tuple[torch.Tensor, ...]:
-        """What the policy's gradient pass computed (its layouts' positions) and the attention masks of the stock rows
-        it stands for (the main rows, and the KL rows when the KL term is computed)."""
+    def policy_positions(self, calculate_kl: bool) -> tuple:
+        """What the policy's gradient pass computed (its layouts) and the attention masks of the stock rows it stands
+        for (the main rows, and the KL rows when the KL term is computed)."""
         if not (calculate_kl and self.kl is not None):
-            return self._layout("main").num_positions, self.main.attention_mask
+            return self._layout("main"), self.main.attention_mask
         names = ("merged",) if self.policy_merged else ("main", "kl")
-        positions = sum(self._layout(name).num_positions for name in names)
-        return positions, self.main.attention_mask, self.kl.attention_mask
+        return [self._layout(name) for name in names], self.main.attention_mask, self.kl.attention_mask
 
     def route(self, model, kwargs: dict):
         """The layout of a fused call's rows, or its part of a merged pass (see the module docstring)."""

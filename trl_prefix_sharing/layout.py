@@ -123,6 +123,12 @@ class Layout:
         """0-d: the token positions the shared rows hold (what the model computes, padding excluded)."""
         return (self.document_ids >= 0).sum()
 
+    @property
+    def num_tokens(self) -> torch.Tensor:
+        """0-d: the tokens the rows hold, padding excluded (stock's own rows: their real tokens; shared rows: their
+        positions)."""
+        return (self.stock_index >= 0).sum() if self.is_stock else self.num_positions
+
     def to(self, device, non_blocking: bool = False) -> Layout:
         """This layout on `device` (what accelerate calls when it moves a batch)."""
         return replace(self, **{f.name: _moved(getattr(self, f.name), device, non_blocking) for f in fields(self)})

@@ -81,7 +81,7 @@ class OnlineDPOTrainer(PrefixSharingMixin, _TRLOnlineDPOTrainer):
             input_ids, attention_mask, prompt_length, score_padding=True, source=source
         )
         if self.model.training and torch.is_grad_enabled():  # the policy's gradient pass
-            self.shared_positions.count(layout.num_positions, attention_mask)
+            self.shared_positions.count(layout, attention_mask)
         if stock_logits_dtype(model) != torch.float32:
             # stock's log-softmax runs in half precision: the same op on the same logits, at the completion columns
             logits = model(

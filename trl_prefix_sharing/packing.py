@@ -257,7 +257,7 @@ class PackingMixin:
         if self.packing and isinstance(dataset, Dataset):
             return self.packed_batches.sampler(dataset, shuffle=True, grouped=grouped)
         sampler = super()._get_train_sampler(train_dataset)
-        return grouped_by_prompt(sampler, dataset, prompt_groups) if grouped else sampler
+        return grouped_by_prompt(sampler, dataset, self._prompt_groups_of) if grouped else sampler
 
     def _get_eval_sampler(self, eval_dataset):
         if self.packing and isinstance(eval_dataset, Dataset):

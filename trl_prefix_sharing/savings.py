@@ -1,5 +1,6 @@
-"""What prefix sharing saves on a dataset: positions per example, stock vs shared, measured with the real collator
-(preference data), or counted for GRPO/RLOO groups of generated completions of an assumed length."""
+"""What prefix sharing saves on a dataset: where keeping a prompt's examples in one micro-batch would share more
+(`grouping_gain`, measured with the trainer's own collator), and the positions of GRPO/RLOO groups of generated
+completions of an assumed length (`group_stats`)."""
 
 from __future__ import annotations
 
@@ -7,65 +8,55 @@ from dataclasses import dataclass
 
 import torch
 
-from .examples import example_groups
 
+__all__ = ["GroupStats", "GroupingGain", "causal_pairs", "group_stats", "grouping_gain"]
 
-__all__ = ["GroupStats", "SharingStats", "causal_pairs", "group_stats", "sharing_stats"]
+#: `grouping_gain` reports a grouping only where it computes at least this many times fewer tokens than the sampling
+GROUPING_MATTERS = 1.1
 
 
 @dataclass
-class SharingStats:
+class GroupingGain:
+    """Stock tokens / shared tokens in micro-batches of a dataset's first `examples` examples, drawn at random as the
+    stock sampler draws them (`sampled`) and with each prompt's examples kept together (`grouped`,
+    `group_by_prompt=True`)."""
+
     examples: int
-    stock_tokens: int
-    shared_tokens: int
-    no_shared_prefix: int
-    total_examples: int
+    sampled: float
+    grouped: float
 
-    @property
-    def stock_per_example(self) -> float:
-        return self.stock_tokens / max(self.examples, 1)
-
-    @property
-    def shared_per_example(self) -> float:
-        return self.shared_tokens / max(self.examples, 1)
-
-    @property
-    def saved_fraction(self) -> float:
-        return 1.0 - self.shared_tokens / max(self.stock_tokens, 1)
-
-    def summary(self) -> str:
-        sampled = (
-            "" if self.examples == self.total_examples else f" (first {self.examples:,} of {self.total_examples:,})"
+    def hint(self) -> str:
+        """The start-up line's ending, or nothing where grouping would not share noticeably more."""
+        if self.grouped < GROUPING_MATTERS * self.sampled:
+            return ""
+        return (
+            f" With group_by_prompt=True a prompt's examples would share micro-batches: {self.grouped:.2f}x fewer "
+            f"tokens than stock on the first {self.examples:,} examples, against {self.sampled:.2f}x as sampled now."
         )
-        text = (
-            f"Prefix sharing on {self.examples:,} examples{sampled}: {self.stock_per_example:.1f} positions per "
-            f"example in stock TRL, {self.shared_per_example:.1f} shared ({100 * self.saved_fraction:.1f}% fewer, "
-            f"{self.stock_tokens / max(self.shared_tokens, 1):.2f}x fewer token positions)."
-        )
-        if self.no_shared_prefix:
-            text += (
-                f" {self.no_shared_prefix:,} examples share no prefix (empty or truncated prompt) and gain nothing."
-            )
-        return text
 
 
-def sharing_stats(dataset, collator, max_examples: int = 10_000, chunk_size: int = 256) -> SharingStats:
-    """Run `collator` (a `PrefixSharingCollator`) over up to `max_examples` rows and count positions, each
-    example on its own (what every micro-batch saves; one that also holds other pairs of a prompt saves more)."""
-    total = len(dataset)
-    n = min(total, max_examples)
-    stock = shared = unshared = 0
-    for start in range(0, n, chunk_size):
-        examples = [dataset[i] for i in range(start, min(start + chunk_size, n))]
-        batch = collator.base_collator(examples)
-        units = torch.tensor(collator.unit_lengths(batch))
-        rows = torch.tensor([int(batch["attention_mask"][group].sum()) for group in example_groups(batch)])
-        stock += int(rows.sum())
-        shared += int(units.sum())
-        unshared += int((units == rows).sum())
-    return SharingStats(
-        examples=n, stock_tokens=stock, shared_tokens=shared, no_shared_prefix=unshared, total_examples=total
-    )
+def _tokens(collator, dataset, order: list[int], batch_size: int) -> tuple[int, int]:
+    """Stock and shared tokens of the micro-batches of `batch_size` consecutive examples of `order`, each laid out by
+    `collator`'s plans (the least of them: where `"auto"` chooses, it takes the cheaper)."""
+    stock = shared = 0
+    for first in range(0, len(order), batch_size):
+        batch = collator.base_collator([dataset[i] for i in order[first : first + batch_size]])
+        stock += int(batch["attention_mask"].sum())
+        shared += min(int(plan.document_lengths.sum()) for plan in collator.plans(batch))
+    return stock, shared
+
+
+def grouping_gain(dataset, collator, groups: list[int], batch_size: int, shuffled: bool = True) -> GroupingGain:
+    """`GroupingGain` of `dataset` laid out by `collator` (a `PrefixSharingCollator`) in micro-batches of `batch_size`:
+    `groups[i]` is the prompt group of example i. The sampler's order is the dataset's, or with `shuffled` a random
+    one drawn from its own generator (the training run's random stream is left as it is)."""
+    from .packing import PromptGroupSampler
+
+    n = len(dataset)
+    drawn = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist() if shuffled else list(range(n))
+    grouped = list(PromptGroupSampler(drawn, groups))
+    (stock, sampled), (_, together) = (_tokens(collator, dataset, order, batch_size) for order in (drawn, grouped))
+    return GroupingGain(examples=n, sampled=stock / max(sampled, 1), grouped=stock / max(together, 1))
 
 
 def causal_pairs(prefix: int, branches: list[int]) -> int:

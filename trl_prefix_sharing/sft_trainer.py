@@ -12,6 +12,8 @@ whole row when it trains on every token (plain text).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import trl
 
@@ -70,8 +72,11 @@ class SFTTrainer(CollatedSharingMixin, trl.SFTTrainer):
     _config_class = SFTConfig
     _examples_of = staticmethod(sft_examples)
     _prompts_of = staticmethod(sft_prompt_lengths)
+    _prompt_groups_of = staticmethod(sft_prompt_groups)
 
     def __init__(self, model, *args, **kwargs):
+        given = inspect.signature(trl.SFTTrainer.__init__).bind(self, model, *args, **kwargs).arguments
+        self._formats_rows = given.get("formatting_func") is not None  # it makes each row's text: any columns go
         self._init_prefix_sharing_from((model, *args), kwargs)
         super().__init__(model, *args, **kwargs)
         self._finish_prefix_sharing_init()
@@ -81,7 +86,7 @@ class SFTTrainer(CollatedSharingMixin, trl.SFTTrainer):
         if not getattr(self.args, "group_by_prompt", False):
             return sampler
         dataset = train_dataset if train_dataset is not None else self.train_dataset
-        return grouped_by_prompt(sampler, dataset, sft_prompt_groups)
+        return grouped_by_prompt(sampler, dataset, self._prompt_groups_of)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         self._share_batch(inputs)

@@ -33,9 +33,16 @@ from .support import (
     check_model_and_processor,
     check_no_dropout,
 )
-from .trainers import guard_trainer_class
+from .trainers import guard_trainer_class, spec_of_class
 from .tuning import measure_session
-from .validation import check_not_empty, check_prompt_column, check_rows_left, dataset_sizes
+from .validation import (
+    check_dataset_columns,
+    check_not_empty,
+    check_prompt_column,
+    check_rows_left,
+    dataset_sizes,
+    needed_columns,
+)
 from .vision import is_vision_config
 
 
@@ -104,36 +111,61 @@ class _SharedPositionsState(TrainerCallback, ExportableState):
 
 class SharedPositions:
     """What sharing saves, shown as the run goes: `num_shared_tokens` in the logs (the token positions the policy's
-    training forwards computed, a running total kept on the device and read once per logging step) and, for trainers
-    that lay out their rows in the step, a line after the first training forward comparing its positions with what
-    stock TRL computes on the same rows."""
+    training forwards computed, a running total kept on the device and read once per logging step) and one start-up
+    line, of one form for every trainer, after the first training forward: what its micro-batch really computed
+    against what stock TRL computes on the same rows, the join and kernel that ran (and whether `"auto"` chose them),
+    and `hint` (set before training: where another grouping of the data would share more), kept as `line`."""
 
     def __init__(self, trainer):
         self._trainer = weakref.ref(trainer)
         self.total = None  # a 0-d device tensor once a training forward counted, or an int resumed from a checkpoint
-        self._logged = False
+        self.hint = ""
+        self.line = None
 
-    def count(self, positions: torch.Tensor, *stock_masks: torch.Tensor, note: str = "") -> None:
-        """Add `positions` (0-d, on the device: what a training forward of the policy computed), summed over the
-        processes. With the attention masks of the stock rows that forward stands for, the first call also logs what
-        stock TRL computes on them (one host read, once); `note` ends that line."""
-        trainer = self._trainer()
-        counts = [positions.reshape(())]
-        first = bool(stock_masks) and not self._logged
+    def count(self, layouts, *stock_masks: torch.Tensor, note: str = "") -> None:
+        """Add what a training forward of the policy computed on `layouts` (a `Layout`, or the several a pass ran)
+        to the total, summed over the processes. With the attention masks of the stock rows that forward stands for,
+        the first call also logs the start-up line (one host read, once); `note` says what the rows are."""
+        layouts = layouts if isinstance(layouts, (list, tuple)) else (layouts,)
+        counts = [sum(layout.num_positions for layout in layouts).reshape(())]
+        first = bool(stock_masks) and self.line is None
         if first:
-            stock = sum(mask.numel() for mask in stock_masks)
-            counts += [torch.full_like(counts[0], stock), sum(mask.sum() for mask in stock_masks).to(counts[0])]
+            full = lambda value: torch.full_like(counts[0], value)  # noqa: E731
+            counts.append(sum(layout.num_tokens for layout in layouts).to(counts[0]))
+            counts.append(full(sum(layout.input_ids.numel() for layout in layouts)))
+            counts.append(sum(mask.sum() for mask in stock_masks).to(counts[0]))
+            counts.append(full(sum(mask.numel() for mask in stock_masks)))
+        trainer = self._trainer()
         counts = trainer.accelerator.gather_for_metrics(torch.stack(counts).unsqueeze(0)).sum(0)
         self.total = counts[0] if self.total is None else self.total + counts[0]
         if first:
-            self._logged = True
+            self.line = startup_line(*counts[1:].tolist(), _ran(trainer, layouts[0]), note) + self.hint
             if trainer.args.should_log:
-                shared, stock, tokens = counts.tolist()
-                logger.warning(
-                    f"Prefix sharing: the first training forward computes {shared:,} token positions where stock TRL "
-                    f"computes {stock:,} ({tokens:,} tokens and {stock - tokens:,} padding): "
-                    f"{stock / max(shared, 1):.2f}x fewer{note}."
-                )
+                logger.warning(self.line)
+
+
+def _ran(trainer, layout) -> str:
+    """The join and kernel `layout` ran with, and which of them `"auto"` chose."""
+    args = trainer.args
+    kernel_chosen = getattr(args, "prefix_sharing_attn_implementation", None) == "auto"
+    if layout.is_stock:
+        return "stock's own rows" + (', chosen by "auto"' if kernel_chosen else "")
+    kernel = layout.kernel or trainer.sharing_session.backend.name
+    chosen = [name for name, auto in (("join", args.prefix_sharing_join == "auto"), ("kernel", kernel_chosen)) if auto]
+    return f'join "{layout.join}" and kernel "{kernel}"' + (
+        f', {" and ".join(chosen)} chosen by "auto"' if chosen else ""
+    )
+
+
+def startup_line(shared: int, shared_padded: int, stock: int, stock_padded: int, ran: str, note: str = "") -> str:
+    """The start-up line: the first training micro-batch's tokens and positions (padding included) against stock
+    TRL's on the same rows, and what ran (`ran`)."""
+    return (
+        f"Prefix sharing: the first training micro-batch{note} computes {shared:,} tokens ({shared_padded:,} "
+        f"positions with its padding) where stock TRL computes {stock:,} tokens ({stock_padded:,} positions with its "
+        f"padding): {stock / max(shared, 1):.2f}x fewer tokens, {stock_padded / max(shared_padded, 1):.2f}x fewer "
+        f"positions; {ran}."
+    )
 
 
 class PatchScope:
@@ -161,9 +193,10 @@ class PatchScope:
 
 
 def _check_arguments(trainer, model, args, processing_class, peft_config, datasets: dict) -> dict:
-    """Before TRL's `__init__`, with prefix sharing or packing on: this package's config class, the model and the
-    processor, and clear errors for an empty dataset and (with prefix sharing) a misspelt prompt column. Returns the
-    datasets' row counts, for checking that TRL's preprocessing left some (`_finish_prefix_sharing_init`)."""
+    """Before TRL's `__init__`, with prefix sharing or packing on: this package's config class, the model (a local path
+    that does not exist) and the processor, and clear errors for an empty dataset, (with prefix sharing) a misspelt
+    prompt column, and a dataset without the columns the trainer reads (its entry's in the table of trainers). Returns
+    the datasets' row counts, for checking that TRL's preprocessing left some (`_finish_prefix_sharing_init`)."""
     name = type(trainer).__name__
     if not isinstance(args, trainer._config_class):
         raise TypeError(
@@ -172,8 +205,11 @@ def _check_arguments(trainer, model, args, processing_class, peft_config, datase
     trust_remote_code = getattr(args, "trust_remote_code", False)
     check_model_and_processor(name, model, processing_class, peft_config, trust_remote_code, trainer._supports_vision)
     check = check_prompt_column if trainer.prefix_sharing else check_not_empty  # both refuse an empty dataset
+    needed = needed_columns(spec_of_class(type(trainer)).columns, args, getattr(trainer, "_formats_rows", False))
     for split, dataset in datasets.items():
         check(dataset, split)
+        # the columns only: DPO's and the reward trainer's own checks read the rows of their preference data too
+        check_dataset_columns(dataset, split, needed, allow_images=trainer._supports_vision, rows=False)
     return dataset_sizes(datasets)
 
 

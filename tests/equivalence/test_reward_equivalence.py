@@ -287,13 +287,15 @@ def test_ranked_and_pairwise_datasets_cannot_be_mixed(tmp_path, tokenizer):
 
 
 def test_pairs_without_a_common_prefix_are_counted(tmp_path, tokenizer):
-    from trl_prefix_sharing.savings import sharing_stats
+    from trl_prefix_sharing.collator import unit_lengths
 
     stock, shared = make_reward_trainers(tmp_path, "llama", _empty_prompts(), tokenizer, max_length=30)
     assert len(shared.train_dataset) == len(stock.train_dataset) < len(_empty_prompts())  # over-long rows dropped
-    stats = sharing_stats(shared.train_dataset, shared.data_collator.unpacked())
+    collator = shared.data_collator.unpacked()
+    units = unit_lengths(shared.train_dataset, collator)
+    rows = [int(collator.base_collator([example])["attention_mask"].sum()) for example in shared.train_dataset]
     # the two empty prompts, and "w1": a one-token common prefix saves nothing (that token heads each branch)
-    assert stats.no_shared_prefix == 3 and "3 examples share no prefix" in stats.summary()
+    assert len(units) == len(rows) > 3 and sum(unit == row for unit, row in zip(units, rows, strict=True)) == 3
 
 
 def test_reward_evaluate_with_packing_equals_stock_per_pair_means(tmp_path, tokenizer):

@@ -19,14 +19,70 @@ from trl_prefix_sharing.testing.equivalence import (
 )
 
 
-TRAINERS = ("dpo", "reward", "kto", "orpo", "cpo", "online_dpo", "grpo", "rloo")
-#: trainers that log what sharing saves on the dataset at `train()`; the others (rows laid out in the step) log the
-#: first training forward's positions against stock's
-DATASET_LINE = ("dpo", "reward")
-FIRST_FORWARD = re.compile(
-    r"Prefix sharing: the first training forward computes ([\d,]+) token positions where stock TRL computes ([\d,]+) "
-    r"\(([\d,]+) tokens and ([\d,]+) padding\)"
+TRAINERS = ("dpo", "reward", "sft", "kto", "orpo", "cpo", "online_dpo", "grpo", "rloo")
+#: the start-up line every trainer logs after its first training forward (`sharing.startup_line`)
+STARTUP_LINE = re.compile(
+    r"Prefix sharing: the first training micro-batch(?: \([^)]*\))? computes ([\d,]+) tokens \(([\d,]+) positions "
+    r"with its padding\) where stock TRL computes ([\d,]+) tokens \(([\d,]+) positions with its padding\): "
+    r"([\d.]+)x fewer tokens, ([\d.]+)x fewer positions; (.*?)\.(?: With group_by_prompt=True .*)?$",
+    re.MULTILINE,
 )
+
+
+def startup_line(text: str) -> tuple:
+    """The start-up line's numbers in `text` (shared tokens and positions, stock tokens and positions, the two
+    factors) and what ran; asserting it was logged once."""
+    found = STARTUP_LINE.findall(text)
+    assert len(found) == 1, text  # once
+    *numbers, ran = found[0]
+    shared, shared_padded, stock, stock_padded = (int(number.replace(",", "")) for number in numbers[:4])
+    return shared, shared_padded, stock, stock_padded, float(numbers[4]), float(numbers[5]), ran
+
+
+def _sft_pair(tmp_path, tokenizer, dataset=None, ours=None, **options) -> list:
+    """(stock TRL's SFT trainer, ours with the fields `ours`, default `prefix_sharing=True`); `options`: both's."""
+    from trl_prefix_sharing.testing.trainers import build_trainer
+
+    dataset = (dataset if dataset is not None else _prompt_completions(2, system=10)).remove_columns("rejected")
+    fields = {**CPU_RUN, "per_device_train_batch_size": 4, "max_steps": 2, **options}
+    model = make_model("llama", len(tokenizer), seed=0)
+    return [
+        build_trainer(
+            "sft",
+            stock=stock,
+            model=model,
+            tokenizer=tokenizer,
+            train_dataset=dataset,
+            quiet=False,
+            output_dir=str(tmp_path / f"sft{int(stock)}"),
+            **({} if stock else ours or {"prefix_sharing": True}),
+            **fields,
+        )
+        for stock in (True, False)
+    ]
+
+
+def _prompt_completions(per_prompt: int, prompts: int = 8, system: int = 0, seed: int = 0) -> Dataset:
+    """Prompt-completion data with a `rejected` completion too (SFT reads the first two columns, DPO the three):
+    `prompts` prompts of 12-20 words (after a `system`-word start all of them share), each with `per_prompt`
+    examples of 3-6-word completions."""
+    import random
+
+    from trl_prefix_sharing.testing import WORDS
+
+    rng = random.Random(seed)
+    words = lambda n: " ".join(rng.choice(WORDS[:200]) for _ in range(n))  # noqa: E731
+    start = words(system)
+    rows = []
+    for _ in range(prompts):
+        prompt = (start + " " + words(rng.randint(12, 20))).strip()
+        for _ in range(per_prompt):
+            rows.append({"prompt": prompt, "completion": " " + words(rng.randint(3, 6)), "rejected": " " + words(4)})
+    return Dataset.from_list(rows)
+
+
+def _as_pairs(dataset: Dataset) -> Dataset:
+    return dataset.rename_column("completion", "chosen")
 
 
 def _pair(kind: str, tmp_path, tokenizer, **options) -> list:
@@ -35,6 +91,8 @@ def _pair(kind: str, tmp_path, tokenizer, **options) -> list:
         return make_trainers(tmp_path, "llama", awkward_text_dataset(), tokenizer, max_steps=2, **options)
     if kind == "reward":
         return make_reward_trainers(tmp_path, "llama", tie_free_text_dataset(), tokenizer, max_steps=2, **options)
+    if kind == "sft":
+        return _sft_pair(tmp_path, tokenizer, **options)
     if kind == "kto":
         from test_kto_equivalence import make_trainers as make_kto_trainers
         from test_kto_equivalence import unpaired_dataset
@@ -72,15 +130,14 @@ def _assert_sharing_shown(kind: str, stock_logs: list[dict], logs: list[dict], t
         assert totals[-1] <= 2 * stock_logs[-1]["num_tokens"], (totals, stock_logs[-1]["num_tokens"])
     elif "num_tokens" in stock_logs[-1]:  # stock counts its rows' tokens, padding not counted
         assert totals[-1] < stock_logs[-1]["num_tokens"], (totals, stock_logs[-1]["num_tokens"])
-    if kind in DATASET_LINE:
-        assert re.search(r"Prefix sharing on \d+ examples: [\d.]+ positions per example in stock TRL", text), text
-        assert "first training forward" not in text
-        return
-    found = FIRST_FORWARD.findall(text)
-    assert len(found) == 1, text  # once
-    shared, stock, tokens, padding = (int(number.replace(",", "")) for number in found[0])
-    assert stock == tokens + padding and 0 < shared <= stock
+    shared, shared_padded, stock, stock_padded, fewer, fewer_positions, ran = startup_line(text)
+    assert 0 < shared <= shared_padded and 0 < stock <= stock_padded, text  # (a one-token prompt can cost more)
+    assert fewer == pytest.approx(stock / shared, abs=0.005) and fewer_positions == pytest.approx(
+        stock_padded / shared_padded, abs=0.005
+    )
     assert shared <= totals[0]  # the first forward is part of the first step's total
+    chosen = r'(, (join|kernel|join and kernel) chosen by "auto")?'
+    assert re.fullmatch(r'join "(prompts|always)" and kernel "\w+"' + chosen, ran), ran
 
 
 @pytest.mark.parametrize("kind", TRAINERS)
@@ -91,6 +148,45 @@ def test_every_trainer_shows_what_sharing_saves(tmp_path, tokenizer, caplog, kin
     with caplog.at_level(logging.WARNING, logger="trl_prefix_sharing"):
         logs = _train(ours)
     _assert_sharing_shown(kind, stock_logs, logs, caplog.text)
+
+
+def test_the_dpo_line_reports_what_a_run_behind_a_shared_system_prompt_computes(tmp_path, tokenizer, caplog):
+    """Pairs of different prompts behind one long shared start: the line counts what the micro-batch computes after
+    the join (the start once for all its pairs), as the run's own totals do, not each example alone (about 1.9x here:
+    a pair's prompt once for its two completions)."""
+    dataset = _as_pairs(_prompt_completions(1, prompts=16, system=60))
+    ours = {"prefix_sharing": True, "prefix_sharing_attn_implementation": "sdpa"}
+    _, trainer = make_trainers(tmp_path, "llama", dataset, tokenizer, ours=ours, max_steps=3)
+    with caplog.at_level(logging.WARNING, logger="trl_prefix_sharing"):
+        logs = _train(trainer)
+    *_, fewer, _, ran = startup_line(caplog.text)
+    run = logs[-1]["num_tokens"] / logs[-1]["num_shared_tokens"]
+    assert abs(fewer - run) < 0.7 and fewer > 3, (fewer, run)
+    assert ran == 'join "always" and kernel "sdpa", join chosen by "auto"'
+
+
+@pytest.mark.parametrize("kind", ["dpo", "sft"])
+def test_the_line_names_the_grouping_that_would_share_more(tmp_path, tokenizer, caplog, kind):
+    """Four examples per prompt, spread over micro-batches by the random sampler: the line names `group_by_prompt`
+    with the factor it gives, which a run with it computes (each micro-batch then holds one prompt's four examples,
+    whatever the order); with it, the line names nothing."""
+    data = _prompt_completions(4, prompts=6)
+    steps = len(data) // 4
+    lines = []
+    for grouped in (False, True):
+        ours = {"prefix_sharing": True, "prefix_sharing_attn_implementation": "sdpa", "group_by_prompt": grouped}
+        if kind == "dpo":
+            trainer = make_trainers(tmp_path, "llama", _as_pairs(data), tokenizer, ours=ours, max_steps=steps)[1]
+        else:
+            trainer = _sft_pair(tmp_path, tokenizer, data, ours, max_steps=steps)[1]
+        logs = _train(trainer)
+        lines.append(trainer.shared_positions.line)
+    pattern = r"With group_by_prompt=True .*: ([\d.]+)x fewer tokens than stock on the first 24 examples, against "
+    hint = re.search(pattern + r"([\d.]+)x as sampled now\.$", lines[0])
+    assert hint, lines[0]
+    grouped, sampled = float(hint.group(1)), float(hint.group(2))
+    assert grouped == pytest.approx(logs[-1]["num_tokens"] / logs[-1]["num_shared_tokens"], abs=0.006)
+    assert grouped > 1.1 * sampled and "group_by_prompt" not in lines[1]
 
 
 @pytest.mark.parametrize("kind", ["orpo", "grpo"])

@@ -83,7 +83,7 @@ def test_dpo_with_sharing_and_packing(workspace):
         cwd=workspace,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "Prefix sharing on 16 examples" in proc.stdout + proc.stderr
+    assert "Prefix sharing: the first training micro-batch computes" in proc.stdout + proc.stderr
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = json.loads((out / "config.json").read_text())
@@ -112,7 +112,8 @@ def test_reward_with_yaml_recipe_and_lora(workspace):
         [sys.executable, "-m", "trl_prefix_sharing", "reward", "--config", str(recipe), *COMMON], cwd=workspace
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "Prefix sharing on 16 examples" in proc.stdout + proc.stderr  # the shared trainer really ran
+    # the shared trainer really ran
+    assert "Prefix sharing: the first training micro-batch computes" in proc.stdout + proc.stderr
     from peft import AutoPeftModelForSequenceClassification
 
     assert (out / "adapter_config.json").exists()
@@ -306,7 +307,7 @@ def test_dpo_parquet_dataset_on_two_processes(workspace):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     output = proc.stdout + proc.stderr
-    assert "Prefix sharing on 16 examples" in output
+    assert "Prefix sharing: the first training micro-batch computes" in output
     assert "Total train batch size (w. parallel, distributed & accumulation) = 8" in output  # 2 processes x 4
 
 
@@ -349,7 +350,7 @@ def test_online_trainers_with_sharing(workspace, command):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     if command != "online_dpo":
-        assert "Prefix sharing: the first training forward computes" in proc.stdout + proc.stderr
+        assert "Prefix sharing: the first training micro-batch computes" in proc.stdout + proc.stderr
     assert (out / "model.safetensors").exists()
 
 

@@ -44,7 +44,7 @@ def largest_difference(output) -> float:
 
 def test_demo_output(tmp_path):
     output = run_demo(tmp_path, "--quick", "--steps", "3", "--hidden-size", "32", "--layers", "1")
-    assert output.count("Prefix sharing on 96 examples") == 1
+    assert output.count("Prefix sharing: the first training micro-batch computes") == 1
     assert largest_difference(output) < 1e-4
     assert "training: 100%" in output  # the progress bar, on although the environment turns library bars off
 
@@ -59,7 +59,7 @@ def test_demo_on_the_real_model(tmp_path):
         pytest.skip(str(error))
     output = run_demo(tmp_path, "--steps", "2", timeout=600)
     assert "SmolLM2-135M-Instruct (134.5M parameters)" in output
-    assert output.count("Prefix sharing on 72 examples") == 1
+    assert output.count("Prefix sharing: the first training micro-batch computes") == 1
     assert largest_difference(output) < 1e-4
     fewer = float(re.search(r"token positions computed by the policy: .*\((\S+)x fewer\)", output).group(1))
     assert fewer > 3  # a 221-token system prompt and question computed once for six answers

@@ -15,7 +15,7 @@ import inspect
 from ..trainers import TRAINERS
 
 
-__all__ = ["ZERO_REWARD", "build_trainer", "trainer_classes"]
+__all__ = ["ZERO_REWARD", "build_trainer", "shared_tokens_of_run", "trainer_classes"]
 
 
 def ZERO_REWARD(completions, **kwargs):  # noqa: N802  (a constant function, named as TRL names reward functions)
@@ -101,3 +101,15 @@ def build_trainer(
     if "reward_funcs" in parameters:
         trainer.current_gradient_accumulation_steps = 1  # set by the Trainer's loop, which a timed step does not run
     return trainer
+
+
+def shared_tokens_of_run(trainer, lines: list | None = None) -> int:
+    """Train `trainer` (this package's, with prefix sharing); the `num_shared_tokens` it logged last (a running total
+    of the positions its policy's training forwards computed), its start-up line appended to `lines` if given."""
+    trainer.train()
+    if lines is not None:
+        lines.append(trainer.shared_positions.line)
+    logged = [entry["num_shared_tokens"] for entry in trainer.state.log_history if "num_shared_tokens" in entry]
+    if not logged:
+        raise AssertionError("the run logged no `num_shared_tokens`")
+    return logged[-1]
