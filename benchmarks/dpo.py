@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import tempfile
 
@@ -31,6 +30,7 @@ from trl_prefix_sharing.testing.trainers import build_trainer
 from .data import PROFILES, check_one_token_per_word, single_token_words, synthetic_dataset
 from .measure import ActivationMeter, CountingCollator, Timer, rotations, train_one_epoch
 from .models import add_model_options, build_model, check_model_options, describe_smollm2, quiet_setup
+from .record import ROOT
 from .results import command_line, write_result
 
 
@@ -148,28 +148,6 @@ def summarise(results, args):
     return rows
 
 
-def record_in_package(rows, results, args, command):
-    """Store the measured speedups where `trl-prefix-sharing stats` reads them (one entry per mode)."""
-    path = os.path.join(os.path.dirname(__file__), "..", "trl_prefix_sharing", "data", "measured_speedups.json")
-    recorded = json.load(open(path)) if os.path.exists(path) else {}
-    entry = {"device": args.device_name, "model": args.model_desc, "command": command}
-    for kind in args.kinds:
-        entry[kind] = {
-            profile: {
-                "p_over_c": PROFILES[profile][0] / PROFILES[profile][1],
-                "ideal": round(rows[kind, profile]["ideal"], 3),
-                "padded_ideal": round(rows[kind, profile]["padded_ideal"], 3),
-                "share_of_ideal": round(rows[kind, profile]["share"], 3),
-                **{v: round(x, 3) for v, x in rows[kind, profile]["speed"].items() if v != "stock"},
-            }
-            for profile in results[kind]
-        }
-    recorded[args.mode] = entry
-    with open(path, "w") as f:
-        json.dump(recorded, f, indent=1, sort_keys=True)
-        f.write("\n")
-
-
 def write_outputs(results, args, command):
     device = args.device_name
     rows = summarise(results, args)
@@ -263,8 +241,10 @@ def write_outputs(results, args, command):
         lines.append("")
     data = {"command": command, "device": device, "model": args.model_desc, "results": results}
     write_result(args.out, args.mode, data, lines)
-    if args.record:
-        record_in_package(rows, results, args, command)
+    if args.record:  # what `stats` quotes, derived again from every record of docs/benchmarks (this one included)
+        from .record import write
+
+        write()
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -297,14 +277,20 @@ def main():
     parser.add_argument(
         "--record",
         action="store_true",
-        help="also store the speedups in trl_prefix_sharing/data/measured_speedups.json (for `stats`; tiny model "
-        "only)",
+        help="also derive trl_prefix_sharing/data/measured_speedups.json (what `stats` quotes) again from "
+        "docs/benchmarks, this run's record included (`python -m benchmarks.record`; tiny model, --out "
+        "docs/benchmarks only)",
     )
     args = parser.parse_args()
     check_model_options(args)
     if args.record and args.model != "tiny":
         raise SystemExit(
             f"error: --record stores the tiny model's speedups (what `stats` quotes); not with --model {args.model}"
+        )
+    if args.record and os.path.abspath(args.out) != os.path.abspath(os.path.join(ROOT, "docs", "benchmarks")):
+        raise SystemExit(
+            "error: --record derives what `stats` quotes from docs/benchmarks; pass --out docs/benchmarks (or run "
+            "`python -m benchmarks.record` once the record is there)"
         )
     gpu = args.mode == "gpu"
     args.pairs = args.pairs or (256 if gpu else 32)

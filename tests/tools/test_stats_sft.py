@@ -3,6 +3,7 @@ completion with a shared system preamble and several completions per prompt; pla
 `--prefix_sharing_join`; the flags that do not apply are one-line errors."""
 
 import json
+import re
 
 import pytest
 
@@ -60,6 +61,14 @@ def _in(lines, label):
     return line.split(label)[1].strip()
 
 
+def _trained(stdout, kernel="SDPA"):
+    """The lines of what training lays out under `kernel` (SDPA: the first block)."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"    with {kernel} ("))
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith("      ")), len(lines))
+    return lines[start:end]
+
+
 def _stats(capsys, *argv):
     from trl_prefix_sharing.cli.stats import main
 
@@ -87,7 +96,8 @@ def test_stats_sft_prompt_completion_matches_a_hand_count(model_dir, tmp_path, c
     assert _in(prompts, "rows sharing a shared row:").startswith("5 of 5")
     assert _in(prompts, "ideal speedup, linear layers:").startswith(f"{60 / 34:.2f}x")
     assert _in(prompts, "ideal with padding, batches of 8:").startswith(f"{65 / 38:.2f}x")
-    assert "expected training speedup:                no SFT benchmark recorded" in out
+    assert "    CPU (CPU, 2 threads; " in out  # `benchmarks.join`'s SFT record, quoted
+    assert "    GPU: no SFT benchmark recorded" in out  # and only where it is so
     assert "verdict: prefix sharing pays on this dataset." in out
 
     out = _stats(capsys, *base, "--prefix_sharing_join", "always")
@@ -97,10 +107,13 @@ def test_stats_sft_prompt_completion_matches_a_hand_count(model_dir, tmp_path, c
     assert _in(always, "with padding, batches of 8:") == "stock 13.0, shared 5.8"
     assert _in(always, "ideal with padding, batches of 8:").startswith(f"{65 / 29:.2f}x")
 
-    out = _stats(capsys, *base)  # auto, the default: both plans, the verdict on the prompts plan
+    out = _stats(capsys, *base)  # auto, the default: both plans, and what training keeps of them
     assert _in(_section(out, "prompts"), "positions per example:").startswith("stock 12.0, shared 6.8")
     assert _in(_section(out, "always"), "positions per example:").startswith("stock 12.0, shared 5.8")
     assert "prefix_sharing_join=auto keeps, per micro-batch, whichever plan" in out
+    trained = _trained(out)
+    assert _in(trained, "with SDPA (dense, the CPU's kernel):").startswith("1 of 1 micro-batches joined across")
+    assert _in(trained, "tokens per example, shared:").startswith("5.8 of stock's 12.0")
 
 
 def test_stats_sft_text_matches_a_hand_count(model_dir, tmp_path, capsys):
@@ -148,10 +161,13 @@ def test_stats_sft_joins_are_the_layouts():
     ("args", "message"),
     [
         (
-            ["--trainer", "dpo", "--prefix_sharing_join", "always"],
-            "--prefix_sharing_join applies to --trainer sft only",
+            ["--trainer", "kto", "--prefix_sharing_join", "always"],
+            "--prefix_sharing_join applies to --trainer dpo, reward or sft only",
         ),
-        (["--trainer", "grpo", "--prefix_sharing_join", "prompts"], "--prefix_sharing_join applies to --trainer sft"),
+        (
+            ["--trainer", "grpo", "--prefix_sharing_join", "prompts"],
+            "--prefix_sharing_join applies to --trainer dpo, reward or sft",
+        ),
         (["--trainer", "sft", "--prefix_sharing_join", "sometimes"], "invalid choice: 'sometimes'"),
         (
             ["--trainer", "sft", "--prefix_sharing_merge_kl", "true"],
@@ -181,18 +197,51 @@ def test_stats_sft_wrong_columns_are_one_line(model_dir, tmp_path, capsys):
     assert line.startswith("trl-prefix-sharing stats: error: ") and "'text', 'messages'" in line
 
 
-@pytest.mark.parametrize("join", ["prompts", "always"])
+def _train_sft(tokenizer, tmp_path, rows, batch_size, lines=None, **options) -> int:
+    """A run of this package's `SFTTrainer` over `rows` in micro-batches of `batch_size` consecutive rows (one epoch):
+    the `num_shared_tokens` it logs, a running total of the positions its training forwards computed (and its
+    start-up line appended to `lines`, if given)."""
+    from datasets import Dataset
+
+    from trl_prefix_sharing import SFTConfig, SFTTrainer
+    from trl_prefix_sharing.testing import make_model
+    from trl_prefix_sharing.testing.trainers import shared_tokens_of_run
+
+    steps = -(-len(rows) // batch_size)
+    trainer = SFTTrainer(
+        model=make_model("llama", len(tokenizer)),
+        args=SFTConfig(
+            output_dir=str(tmp_path / "run"),
+            use_cpu=True,
+            bf16=False,
+            report_to="none",
+            prefix_sharing=True,
+            per_device_train_batch_size=batch_size,
+            train_sampling_strategy="sequential",
+            max_steps=steps,
+            logging_steps=steps,
+            save_strategy="no",
+            **options,
+        ),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+    )
+    return shared_tokens_of_run(trainer, lines)
+
+
+@pytest.mark.parametrize("join", ["prompts", "always", "auto"])
 @pytest.mark.parametrize("rows", [_CHAT, _TEXT], ids=["prompt-completion", "text"])
 def test_stats_sft_counts_what_a_training_run_logs(tokenizer, tmp_path, rows, join):
     """`stats` counts SFT data with the trainer itself (built on a tiny stand-in model): the rows it lays
     out are stock TRL's (tokens and trained labels), and the positions it counts are the `num_shared_tokens` a run of
-    this package's `SFTTrainer` logs over the same micro-batches (consecutive rows, the same join rule)."""
+    this package's `SFTTrainer` logs over the same micro-batches (consecutive rows, the same join rule; `auto`: the
+    plan training keeps per micro-batch, by the cost model of the model trained)."""
     import trl
     from datasets import Dataset
 
-    from trl_prefix_sharing import SFTConfig, SFTTrainer
     from trl_prefix_sharing.cli.stats.counting import _measure_sft
     from trl_prefix_sharing.cli.stats.preprocessing import sft_trainer
+    from trl_prefix_sharing.cli.stats.trained import kernel_collators
     from trl_prefix_sharing.testing import make_model
 
     dataset, batch_size = Dataset.from_list(rows), 3  # the first micro-batch holds rows of two prompts
@@ -206,32 +255,72 @@ def test_stats_sft_counts_what_a_training_run_logs(tokenizer, tmp_path, rows, jo
     assert len(prepared.train_dataset) == len(stock.train_dataset) == len(rows)
     assert prepared.train_dataset["input_ids"] == stock.train_dataset["input_ids"]
     assert prepared.train_dataset["labels"] == stock.train_dataset["labels"]
-    counted = _measure_sft(prepared.train_dataset, prepared.data_collator, batch_size).plans[join].tokens
+    kernels = kernel_collators(prepared.data_collator, make_model("llama", len(tokenizer)))
+    counts = _measure_sft(prepared.train_dataset, prepared.data_collator, batch_size, kernels)
+    counted = counts.trained["sdpa"].tokens
+    if join != "auto":
+        assert counted == counts.plans[join].tokens  # a fixed join rule: its plan, whatever the cost
 
-    steps = -(-len(rows) // batch_size)
-    trainer = SFTTrainer(
-        model=make_model("llama", len(tokenizer)),
-        args=SFTConfig(
-            output_dir=str(tmp_path / "run"),
-            use_cpu=True,
-            bf16=False,
-            report_to="none",
-            prefix_sharing=True,
-            prefix_sharing_join=join,
-            prefix_sharing_attn_implementation="sdpa",  # no measured choice of stock's rows
-            per_device_train_batch_size=batch_size,
-            train_sampling_strategy="sequential",
-            max_steps=steps,
-            logging_steps=steps,
-            save_strategy="no",
-        ),
-        train_dataset=dataset,
-        processing_class=tokenizer,
+    options = {"prefix_sharing_join": join, "prefix_sharing_attn_implementation": "sdpa"}  # the cost model's plan
+    logged = _train_sft(tokenizer, tmp_path, rows, batch_size, **options)
+    assert counted > 0 and logged == counted
+    if join != "auto":
+        other_join = {"prompts": "always", "always": "prompts"}[join]
+        other = sft_trainer(dataset, tokenizer, 1024, "keep_start", other_join)
+        other_count = _measure_sft(other.train_dataset, other.data_collator, batch_size).plans[other_join].tokens
+        assert other_count != logged  # rows of two prompts share a start: the other join rule counts otherwise
+    assert counts.stock_tokens != logged  # the comparison can fail: stock's count differs
+
+
+def _system_chat(n: int) -> list[dict]:
+    """`n` conversations behind one long system prompt (40 words), each with its own short user and assistant turns:
+    trained on every token (`messages`), so no row has a prompt and `prefix_sharing_join="prompts"` joins nothing."""
+    system = {"role": "system", "content": " ".join(f"w{i}" for i in range(20, 60))}
+    return [
+        {
+            "messages": [
+                system,
+                {"role": "user", "content": f"w{100 + i}"},
+                {"role": "assistant", "content": f"w{150 + i} w{200 + i}"},
+            ]
+        }
+        for i in range(n)
+    ]
+
+
+def test_stats_sft_predicts_the_join_training_keeps_behind_a_system_prompt(model_dir, tokenizer, tmp_path, capsys):
+    """Chat data behind one shared system prompt, trained on every token: the prompts plan joins nothing (1.00x: a
+    verdict on it says "does not pay"), while training's default `prefix_sharing_join="auto"` joins every micro-batch
+    after one copy of the system prompt. `stats` counts what training keeps, with the cost model of the model it is
+    given, and says it pays; its positions are the `num_shared_tokens` a run with the default join logs. The kernel
+    is fixed (SDPA, the one `"auto"` prefers on the CPU): `"auto"` also picks a kernel, or stock's rows, per
+    micro-batch by measured time, which no count predicts (and the suite's clock, which makes SDPA win, times every
+    plan alike)."""
+    from trl_prefix_sharing.cli.stats.reports import _verdict
+
+    rows, batch_size = _system_chat(12), 4
+    data = _write_jsonl(tmp_path / "system_chat.jsonl", rows)
+    out = _stats(
+        capsys, "--dataset_name", data, "--model_name_or_path", model_dir, "--trainer", "sft",
+        "--per_device_train_batch_size", str(batch_size),
+    )  # fmt: skip
+    prompts = _section(out, "prompts")
+    assert _in(prompts, "rows sharing a shared row:").startswith("0 of 12")
+    labels = ("ideal speedup, linear layers:", "ideal with padding, batches of 4:")
+    old = [float(_in(prompts, label).split("x")[0]) for label in labels]
+    assert _verdict(min(old)) == "does not pay"  # what the report said when its verdict took the prompts plan
+    trained = _trained(out)
+    assert (
+        _in(trained, "with SDPA (dense, the CPU's kernel):") == "3 of 3 micro-batches joined across examples (always)"
     )
-    trainer.train()
-    logged = [entry["num_shared_tokens"] for entry in trainer.state.log_history if "num_shared_tokens" in entry]
-    assert counted > 0 and logged and logged[-1] == counted
-    other_join = {"prompts": "always", "always": "prompts"}[join]
-    other = sft_trainer(dataset, tokenizer, 1024, "keep_start", other_join)
-    other_count = _measure_sft(other.train_dataset, other.data_collator, batch_size).plans[other_join].tokens
-    assert other_count != logged[-1]  # rows of two prompts share a start: the other join rule counts otherwise
+    shared, stock = _in(trained, "tokens per example, shared:").split(" of stock's ")
+    assert "verdict: prefix sharing pays on this dataset." in out
+
+    lines = []
+    logged = _train_sft(tokenizer, tmp_path, rows, batch_size, lines, prefix_sharing_attn_implementation="sdpa")
+    assert float(shared) == pytest.approx(logged / len(rows), abs=0.05)  # printed to one decimal
+    assert float(stock.split(":")[0]) > 2 * logged / len(rows)  # the comparison can fail: stock computes far more
+    # the run's start-up line and the verdict agree: its first micro-batch saves what `stats` predicts
+    line = float(re.search(r"([\d.]+)x fewer tokens", lines[0]).group(1))
+    predicted = float(re.search(r": ([\d.]+)x", stock).group(1))
+    assert _verdict(line) == "pays" and abs(line - predicted) < 0.7, (line, predicted)

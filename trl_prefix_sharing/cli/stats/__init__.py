@@ -9,13 +9,26 @@ start the example's rows have in common: prefix sharing computes the longest com
 once) and of the rest of each row, token positions per example with and without sharing, and the predicted speedup.
 Two ideals: the padding-free one (stock / shared tokens, `2(p+c)/(p+2c)` for a pair) and the one with padding (stock's
 padded rows / the shared rows, in batches of `--per_device_train_batch_size`: the positions each really computes).
-The expected speedup is the ideal with padding times the share of it that `python -m benchmarks.dpo --record` measured
-on the benchmark profile whose shared prefix/rest ratio is nearest to this dataset's
-(`trl_prefix_sharing/data/measured_speedups.json`, one entry per device kind measured); it is never printed above the
-ideal with padding, and where it is above the padding-free ideal its line says why (stock also computes its rows'
-padding, which the shared rows drop). Nor is it printed below 1: where the nearest profile measured sharing slower
-than stock, training's `"auto"` (the default kernel choice) measures that on its first micro-batch and runs stock's
-own rows, and the line says so. The verdict takes the lowest of these.
+
+DPO and reward are then counted as training lays them out (`trained.py`): each micro-batch of
+`--per_device_train_batch_size` consecutive examples through the trainer's own collator, under
+`--prefix_sharing_join` (as in the configs: `prompts` joins the rows of a prompt's several pairs, `always` also rows
+of different prompts that share a start, such as a system prompt; `auto`, the default, keeps per micro-batch the plan
+of lower estimated cost), laid out by training's `build_layout` with the cost model of the model given (its config,
+built without weights) under SDPA, the kernel `auto` takes on the CPU, and under varlen, CUDA's first choice. The
+report prints how many micro-batches were joined across examples and the positions (those a run logs as
+`num_shared_tokens`), and the verdict weighs them. With `prefix_sharing_attn_implementation="auto"` training may also
+run another kernel, or stock's own rows, where it measures them faster: that choice is made by measured time, which
+no count can predict.
+
+The expected speedup is the ideal with padding (DPO and reward: as training lays it out with SDPA) times the share of
+it that the recorded benchmark reached on the profile whose shared prefix/rest ratio is nearest to this dataset's, one
+line per device recorded (`trl_prefix_sharing/data/measured_speedups.json`, derived from `docs/benchmarks` by
+`python -m benchmarks.record`); a device with no record says so. It is never printed above the ideal with padding,
+and where it is above the padding-free ideal its line says why (stock also computes its rows' padding, which the
+shared rows drop). Nor is it printed below 1: where the nearest profile measured sharing slower than stock, training's
+`"auto"` (the default kernel choice) measures that on its first micro-batch and runs stock's own rows, and the line
+says so. The verdict takes the lowest of these.
 
 - `dpo`, `reward`: each pair's two rows (or a ranked example's K rows), through the trainer's collator; packing too.
 - `orpo`, `cpo`: TRL's experimental ORPO/CPO tokenization (`tokenize_row`: BOS added, EOS added, the completions cut to
@@ -25,7 +38,8 @@ own rows, and the line says so. The verdict takes the lowest of these.
 - `kto`: TRL's KTO tokenization; each example's main row `[prompt | completion]` and its KL row `[prompt | the previous
   example's completion]` (rotated within batches of `--per_device_train_batch_size`, as TRL does). The reference pass
   runs both after one copy of the prompt; the policy's gradient pass does so where `--prefix_sharing_merge_kl` merges
-  (by default: when a batch's prompt tokens exceed twice its KL completion tokens), so a training step is reported too.
+  (by default: when a batch's prompt tokens exceed twice its KL completion tokens), so a training step is reported too
+  (its ideal is the one the expected speedup scales).
 
 SFT data (`--trainer sft`: `text`, `messages`, or `prompt` + `completion`, text or conversational): prepared by the
 SFT trainer itself, built on a tiny stand-in model (`cli/prepared.py`), so TRL's own preparation runs (EOS
@@ -35,16 +49,18 @@ is its tokens before its first trained label. SFT's sampler is random, so the mi
 `--per_device_train_batch_size` consecutive rows (what `train_sampling_strategy="sequential"` or `group_by_prompt`
 gives), collated by TRL's collator and planned by the package's own layout (the SFT trainer's `PrefixSharingCollator`)
 under `--prefix_sharing_join`: `prompts` joins rows that share a prompt (a prompt's several completions), `always` also
-rows that share only a start (a system prompt, a preamble), `auto` (the default) reports both plans, between which
-training chooses per micro-batch by the step's estimated cost; its verdict takes the prompts plan. No SFT benchmark is
-recorded, so there is no expected speedup.
+rows that share only a start (a system prompt, a preamble), `auto` (the default) reports both plans and, as for DPO,
+the one training keeps per micro-batch by the cost model of the model given, from which its verdict is taken (with
+`prompts` or `always`, from that plan). The expected speedup scales that plan's ideal with padding by the share of it
+the recorded SFT benchmark reached on the profile of nearest ideal with padding.
 
 Prompt-only data (`--trainer grpo`, `rloo` or `online_dpo`): the completions are generated during training, so their
 length is an assumption (`--completion_length`, by default the longest generation: `--max_completion_length`, or
 `--max_new_tokens` for online DPO). Tokenizes the prompts as TRL does and reports, per group of one prompt and its
 completions (`--num_generations`; online DPO: 2), the positions stock TRL computes, G(P + C), against the shared
 layout's, P - 1 + G(C + 1) (the prompt once; each completion headed by a copy of the prompt's last token). Padding is
-not counted.
+not counted. What the recorded benchmark of the trainer measured on the profile of nearest prompt/completion ratio
+(and the same group size, where recorded) is quoted as it was measured: the scoring step, and with generation.
 """
 
 from __future__ import annotations
@@ -69,7 +85,7 @@ def run(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     offline = go_offline_if_unreachable(args.model_name_or_path, args.dataset_name)
     tokenizer = load_tokenizer(args.model_name_or_path, offline, args.trust_remote_code)
-    args.model_note = check_model(args.model_name_or_path, args.trainer, args.trust_remote_code)
+    args.model_note, args.model_config = check_model(args.model_name_or_path, args.trainer, args.trust_remote_code)
     dataset = load_split(args, offline)
     if args.max_examples:
         dataset = dataset.select(range(min(args.max_examples, len(dataset))))

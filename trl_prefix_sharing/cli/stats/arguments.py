@@ -16,6 +16,7 @@ from .defaults import (
     NUM_GENERATIONS,
     ORPO_DEFAULT_LENGTH,
     PAIRED_TRAINERS,
+    PREFERENCE_TRAINERS,
     SFT_JOIN,
     SFT_JOINS,
     TRUNCATION_MODE,
@@ -109,17 +110,18 @@ def make_parser() -> argparse.ArgumentParser:
         "--per_device_train_batch_size",
         type=_int_at_least(1),
         default=None,
-        help="examples per micro-batch, for the padding and packing estimates, KTO's KL rows and the rows SFT "
-        f"lays out together (default: {BATCH_SIZE})",
+        help="examples per micro-batch, for the padding and packing estimates, KTO's KL rows and the rows DPO, "
+        f"reward and SFT training lays out together (default: {BATCH_SIZE})",
     )
     data.add_argument(
         "--prefix_sharing_join",
         choices=SFT_JOINS,
         default=None,
-        help="sft only, as in SFTConfig: join the rows of different examples that share a start (a system prompt, "
-        "a preamble) into one shared row when they share a prompt (prompts), whenever they share two tokens or more "
-        "(always), or whichever of the two the step's estimated cost prefers (auto; reports both; default: "
-        f"{SFT_JOIN})",
+        help="dpo, reward and sft, as in their configs: which rows of a micro-batch join one shared row: rows that "
+        "share a prompt (prompts: a prompt's several pairs or completions), rows that share any start of two tokens "
+        "or more, whichever examples they come from (always: a system prompt, a preamble), or per micro-batch the "
+        "plan of the two whose estimated cost for the model is lower (auto; the report counts what it keeps; "
+        f"default: {SFT_JOIN})",
     )
     data.add_argument(
         "--prefix_sharing_score_padding",
@@ -172,7 +174,7 @@ _APPLIES_TO = {
     "max_length": (*DATA_TRAINERS, "sft", "online_dpo"),
     "truncation_mode": ("dpo", "sft"),
     "per_device_train_batch_size": (*DATA_TRAINERS, "sft"),
-    "prefix_sharing_join": ("sft",),
+    "prefix_sharing_join": (*PREFERENCE_TRAINERS, "sft"),
     "prefix_sharing_score_padding": PAIRED_TRAINERS,
     "prefix_sharing_merge_kl": ("kto",),
     "num_generations": GROUP_TRAINERS,
@@ -255,6 +257,6 @@ def parse_args(argv: list[str] | None):
     args.per_device_train_batch_size = args.per_device_train_batch_size or BATCH_SIZE
     if args.prefix_sharing_score_padding is None:
         args.prefix_sharing_score_padding = False  # ConcatenatedSharingArguments' default
-    if args.trainer == "sft":
+    if args.trainer in (*PREFERENCE_TRAINERS, "sft"):
         args.prefix_sharing_join = args.prefix_sharing_join or SFT_JOIN
     return args

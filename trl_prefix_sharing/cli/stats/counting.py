@@ -247,6 +247,7 @@ class _SFTCounts:
     stock_padded: int = 0
     stock_pairs: int = 0
     plans: dict = field(default_factory=dict)  # join rule -> _SFTPlanCounts
+    trained: dict = field(default_factory=dict)  # kernel -> `trained.TrainedCounts`: what training lays out
 
 
 def _common_length(ids: list[int], other: list[int]) -> int:
@@ -277,14 +278,17 @@ def _count_sft_plan(counts: _SFTPlanCounts, plan, rows: list[list[int]]) -> None
         counts.joined += sizes[document[i]] > 1
 
 
-def _measure_sft(dataset, collator, batch_size: int) -> _SFTCounts:
+def _measure_sft(dataset, collator, batch_size: int, kernels: dict | None = None) -> _SFTCounts:
     """Each micro-batch of `batch_size` consecutive examples collated and planned by the SFT trainer's own collator
     (`PrefixSharingCollator.plans`): per join rule (`auto`: both plans it chooses from), the positions of the shared
-    rows."""
+    rows; and with `kernels` (kernel -> the collator as training runs it there: `trained.kernel_collators`), the plan
+    training lays out per micro-batch under each (`trained.lay_out`)."""
     from ...sft_trainer import prompt_end
+    from .trained import TrainedCounts, lay_out
 
     base = collator.base_collator
     counts = _SFTCounts()
+    counts.trained = {name: TrainedCounts(plan=_SFTPlanCounts()) for name in kernels or {}}
     for examples in _batches(dataset.select_columns(["input_ids", "labels"]), batch_size, "Measuring"):
         batch = base(examples)
         rows = [example["input_ids"] for example in examples]
@@ -297,6 +301,11 @@ def _measure_sft(dataset, collator, batch_size: int) -> _SFTCounts:
         counts.stock_tokens += sum(lengths)
         counts.stock_padded += len(rows) * max(lengths)
         counts.stock_pairs += sum(n * (n + 1) // 2 for n in lengths)
-        for plan in collator.plans(batch):
+        plans = collator.plans(batch)
+        for plan in plans:
             _count_sft_plan(counts.plans.setdefault(plan.join, _SFTPlanCounts()), plan, rows)
+        for name, kernel in (kernels or {}).items():
+            layout, _ = lay_out(kernel, batch, plans)
+            counts.trained[name].add(batch, layout, len(rows))
+            _count_sft_plan(counts.trained[name].plan, next(p for p in plans if p.join == layout.join), rows)
     return counts

@@ -186,9 +186,10 @@ def load_model_config(name: str, trust_remote_code: bool = False):
         raise StatsError(f"cannot read the model config of {name!r} ({_cause(error)}); {way_out}") from None
 
 
-def check_model(name: str, trainer: str, trust_remote_code: bool = False) -> str:
+def check_model(name: str, trainer: str, trust_remote_code: bool = False):
     """Training's architecture check of the model (`trl_prefix_sharing.support.check_architecture`): a model that
-    training refuses is an error with training's reason. Returns the report's line on the model."""
+    training refuses is an error with training's reason. Returns the report's line on the model, and its config (a
+    `str` saying why there is none: see `load_model_config`), whose cost model chooses what training lays out."""
     from ...support import check_architecture
 
     config = load_model_config(name, trust_remote_code)
@@ -196,17 +197,17 @@ def check_model(name: str, trainer: str, trust_remote_code: bool = False) -> str
         return (
             f"not checked: {config}; pass --model_name_or_path the model's directory or id to check it (training "
             "refuses some architectures: recurrent layers, encoders)"
-        )
+        ), config
     try:
         reason = check_architecture(config, TRAINER_CLASSES[trainer], trainer == "dpo")
     except ValueError as error:
         raise StatsError(f"--model_name_or_path {name!r}: {_one_line(error)}") from None
     if reason is None:
-        return f"'{config.model_type}', measured equal to stock TRL with prefix sharing"
+        return f"'{config.model_type}', measured equal to stock TRL with prefix sharing", config
     return (
         f"'{config.model_type}': {reason}; training compares stock and shared rows on its first batch and stops if "
         "they differ"
-    )
+    ), config
 
 
 def _check_columns(dataset, args) -> None:

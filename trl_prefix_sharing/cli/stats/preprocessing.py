@@ -41,12 +41,12 @@ def _quiet_preprocessing(dataset):
 
 
 def _prepared_preferences(dataset, tokenizer, args):
-    """The dataset as `--trainer` (dpo or reward) prepares it, and the trainer's collator of its examples before
-    prefix sharing (TRL's, or the ranked collator): the trainer itself, built on a tiny stand-in model
-    (`prepared.prepared_trainer`)."""
+    """The dataset as `--trainer` (dpo or reward) prepares it, and the trainer's collator (`PrefixSharingCollator`,
+    under `--prefix_sharing_join`; its `base_collator`, TRL's or the ranked collator, collates the examples before
+    prefix sharing): the trainer itself, built on a tiny stand-in model (`prepared.prepared_trainer`)."""
     from ..prepared import prepared_trainer
 
-    options = {"max_length": args.max_length or None}
+    options = {"max_length": args.max_length or None, "prefix_sharing_join": args.prefix_sharing_join}
     if args.trainer == "dpo":
         options["truncation_mode"] = args.truncation_mode
     with _quiet_preprocessing(dataset):
@@ -56,7 +56,7 @@ def _prepared_preferences(dataset, tokenizer, args):
             dataset,
             tokenizer,
         )
-    return trainer.train_dataset, trainer.data_collator.base_collator
+    return trainer.train_dataset, trainer.data_collator
 
 
 def kto_dataset(dataset, tokenizer, max_length: int | None, batch_size: int):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import warnings
 
+from ...trainers import TRAINERS as TRAINER_SPECS
 from .counting import (
     _measure_kto,
     _measure_paired,
@@ -29,7 +30,8 @@ from .preprocessing import (
     prompt_lengths,
     sft_trainer,
 )
-from .speedups import expected_speedups
+from .speedups import expected_speedups, measured_group_speedups
+from .trained import TrainedCounts, cost_model, kernel_collators, measure_trained, print_trained
 
 
 def _percentiles(values, points=(10, 50, 90, 99)):
@@ -152,17 +154,40 @@ def _print_speedups(args, counts: _PreferenceCounts) -> list[float]:
     return [ideal, padded, step]
 
 
-def _print_preference_report(args, counts: _PreferenceCounts) -> None:
+def _print_trained(args, trained: dict[str, TrainedCounts], note: str | None) -> list[float]:
+    """The report's lines on what training lays out (DPO, reward, SFT with `auto`); returns their ideals."""
+    join, batch_size = args.prefix_sharing_join, args.per_device_train_batch_size
+    how = (
+        "prefix_sharing_join=auto keeps, per micro-batch, whichever plan the step's estimated cost for this model "
+        "prefers: a dense kernel pays rows x width^2 for attention, varlen and FlexAttention the visible pairs"
+        if join == "auto"
+        else f"prefix_sharing_join={join}"
+    )
+    print(f"  as training lays it out, in micro-batches of {batch_size} consecutive examples; {how}:")
+    if note:
+        print(f"    ({note})")
+    print_trained(trained, _WIDTH)
+    return [figure for counts in trained.values() for figure in counts.figures]
+
+
+def _print_preference_report(args, counts: _PreferenceCounts, trained=None, note=None) -> None:
     n = len(counts.shared_lens)
     examples = _count(n, "example")
     print(f"Dataset {args.dataset_name} ({examples} after TRL's preprocessing; {args.trainer}, {_limits(args)})")
     _line("model:", args.model_note)
     _print_lengths(args, counts)
     figures = _print_speedups(args, counts)
+    basis = "of the ideal of a training step; " if args.trainer == "kto" else ""
+    scaled = (figures[0], figures[-1])  # KTO: the ideal of a training step
+    if trained:  # the verdict weighs what training computes
+        figures = _print_trained(args, trained, note)
+        basis, scaled = "of the ideals as training lays it out with SDPA; ", tuple(trained["sdpa"].figures)
     median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
     ratio = median(counts.shared_lens) / max(median(counts.rest_lens), 1)
-    print(f"  expected training speedup from sharing (median shared prefix / rest of a completion {ratio:.2f}):")
-    lines, expected = expected_speedups(args.trainer, ratio, figures[0], figures[1])
+    print(
+        f"  expected training speedup from sharing ({basis}median shared prefix / rest of a completion {ratio:.2f}):"
+    )
+    lines, expected = expected_speedups(args.trainer, ratio, *scaled)
     for line in lines:
         print(line)
     print(f"  verdict: prefix sharing {_verdict(min(figures + expected))} on this dataset.")
@@ -170,12 +195,18 @@ def _print_preference_report(args, counts: _PreferenceCounts) -> None:
 
 def preference_report(dataset, tokenizer, args) -> None:
     """The report on data with its completions (`--trainer dpo`, `reward`, `kto`, `orpo` or `cpo`): prepared as the
-    trainer prepares it, its stock rows laid out as training lays them out."""
+    trainer prepares it, its stock rows laid out as training lays them out (DPO and reward: each example on its own,
+    then in micro-batches as training lays them out, by the trainer's collator: `trained.py`)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     pad, batch_size, max_length = tokenizer.pad_token_id, args.per_device_train_batch_size, args.max_length or None
+    trained = note = None
     if args.trainer in PREFERENCE_TRAINERS:
-        dataset, base = _prepared_preferences(dataset, tokenizer, args)
-        counts = _measure_preferences(dataset, base, pad, batch_size)
+        dataset, collator = _prepared_preferences(dataset, tokenizer, args)
+        counts = _measure_preferences(dataset, collator.base_collator, pad, batch_size)
+        if counts.shared_lens:
+            head = TRAINER_SPECS[args.trainer].model_head
+            model, note = cost_model(args.model_config, tokenizer, head, args.trust_remote_code)
+            trained = measure_trained(dataset, collator, model, batch_size)
     elif args.trainer == "kto":
         with _quiet_preprocessing(dataset):
             dataset = _preprocess("KTOTrainer", kto_dataset, dataset, tokenizer, max_length, batch_size)
@@ -189,7 +220,7 @@ def preference_report(dataset, tokenizer, args) -> None:
     if not counts.shared_lens:
         limit = f"longer than --max_length {max_length}" if max_length else "empty after tokenization"
         raise StatsError(f"no examples left after TRL's preprocessing: all were {limit}; raise --max_length")
-    _print_preference_report(args, counts)
+    _print_preference_report(args, counts, trained, note)
 
 
 def _sft_plan_figures(args, counts: _SFTCounts, plan: _SFTPlanCounts) -> list[float]:
@@ -221,7 +252,7 @@ def _sft_plan_figures(args, counts: _SFTCounts, plan: _SFTPlanCounts) -> list[fl
     return [ideal, padded]
 
 
-def _print_sft_report(args, counts: _SFTCounts, completion_only_loss: bool) -> None:
+def _print_sft_report(args, counts: _SFTCounts, completion_only_loss: bool, note: str | None) -> None:
     n, batch_size = counts.rows, args.per_device_train_batch_size
     max_length = args.max_length or None
     loss = "completion_only_loss=True" if completion_only_loss else "trained on every token"
@@ -248,20 +279,26 @@ def _print_sft_report(args, counts: _SFTCounts, completion_only_loss: bool) -> N
     for join, plan in counts.plans.items():
         print(f"  prefix_sharing_join={join}:")
         figures[join] = _sft_plan_figures(args, counts, plan)
-    if args.prefix_sharing_join == "auto":
-        print(
-            "  prefix_sharing_join=auto keeps, per micro-batch, whichever plan the step's estimated cost prefers (a "
-            "dense kernel pays rows x width^2 for attention, FlexAttention the visible pairs): its positions lie "
-            "between the two; the verdict takes the prompts plan"
-        )
-    _line("expected training speedup:", "no SFT benchmark recorded")
-    verdict = figures["prompts" if args.prefix_sharing_join == "auto" else args.prefix_sharing_join]
-    print(f"  verdict: prefix sharing {_verdict(min(verdict))} on this dataset.")
+    if args.prefix_sharing_join == "auto":  # the verdict weighs the plans training keeps
+        verdict = _print_trained(args, counts.trained, note)
+        scaled = counts.trained["sdpa"].figures
+        basis = "as training lays it out with SDPA"
+    else:
+        verdict = scaled = figures[args.prefix_sharing_join]
+        basis = f"of prefix_sharing_join={args.prefix_sharing_join}"
+    print(
+        f"  expected training speedup from sharing (the ideal with padding {basis}, times the share of it measured "
+        "on the profile of nearest ideal with padding):"
+    )
+    lines, expected = expected_speedups("sft", 0.0, *scaled, by="padded_ideal")
+    for line in lines:
+        print(line)
+    print(f"  verdict: prefix sharing {_verdict(min(verdict + expected))} on this dataset.")
 
 
 def sft_report(dataset, tokenizer, args) -> None:
     """The report on SFT data (`--trainer sft`): prepared as TRL's SFT trainer prepares it, each micro-batch's rows
-    laid out as training lays them out."""
+    laid out as training lays them out (under `auto`, by the cost model of the model given: `trained.py`)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     first = dataset[0]
     completion_only_loss = "prompt" in first and "completion" in first
@@ -275,8 +312,10 @@ def sft_report(dataset, tokenizer, args) -> None:
             args.truncation_mode,
             args.prefix_sharing_join,
         )
-    counts = _measure_sft(trainer.train_dataset, trainer.data_collator, args.per_device_train_batch_size)
-    _print_sft_report(args, counts, completion_only_loss)
+    model, note = cost_model(args.model_config, tokenizer, "causal_lm", args.trust_remote_code)
+    kernels = kernel_collators(trainer.data_collator, model)
+    counts = _measure_sft(trainer.train_dataset, trainer.data_collator, args.per_device_train_batch_size, kernels)
+    _print_sft_report(args, counts, completion_only_loss, note)
 
 
 def _completion_source(args) -> str:
@@ -358,6 +397,8 @@ def group_report(dataset, tokenizer, args) -> None:
             "  the scoring passes: training forward and backward, old-policy and reference log-probs; generation is "
             "not sped up, and often takes most of a step"
         )
-    name = "online DPO" if online else args.trainer.upper()
-    _line("expected training speedup:", f"no {name} benchmark recorded")
+    median = sorted(lengths)[len(lengths) // 2]
+    print(f"  measured in the benchmarks (the nearest profile, median prompt / completion {median / c:.2f}):")
+    for line in measured_group_speedups(args.trainer, median / c, g):
+        print(line)
     print(f"  verdict: prefix sharing {_verdict(stats.linear_speedup)} on the scoring passes on this dataset.")
