@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up (.venv) and run the test suite on the CPU (see the README for how long each part takes).
+# Set up (.venv-test: the tests' own environment, so that their extra packages (DeepSpeed, bitsandbytes, ...) stay out
+# of the demo's .venv) and run the test suite on the CPU (see the README for how long each part takes).
 #   bash scripts/test.sh          the fast part: every test that runs in this process (the equivalence matrix against
 #                                 stock TRL, layouts, masks, errors)
 #   bash scripts/test.sh --all    everything, including the tests marked `long` that start other processes (the command
@@ -12,5 +13,5 @@ if [[ "${1:-}" == "--all" ]]; then
     tier=()
     shift
 fi
-bash scripts/setup_env.sh
-.venv/bin/python -m pytest -q ${tier[@]+"${tier[@]}"} "$@"
+VENV=.venv-test EXTRAS=test bash scripts/setup_env.sh
+.venv-test/bin/python -m pytest -q ${tier[@]+"${tier[@]}"} "$@"
