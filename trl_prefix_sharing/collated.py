@@ -16,6 +16,7 @@ from .examples import example_ids, prompt_lengths
 from .packing import PackingMixin, prompt_groups
 from .savings import grouping_gain
 from .sharing import PrefixSharingMixin
+from .vision import is_vision_config
 
 
 __all__ = ["CollatedSharingMixin", "PreferenceSharingMixin"]
@@ -78,8 +79,8 @@ class CollatedSharingMixin(PrefixSharingMixin):
         dataset = self.train_dataset
         if getattr(args, "group_by_prompt", True) or self.packing or args.per_device_train_batch_size < 2:
             return ""
-        if not isinstance(dataset, Dataset):
-            return ""
+        if not isinstance(dataset, Dataset) or is_vision_config(self.sharing_session.models[0].config):
+            return ""  # a stream has no prompts to read ahead; examples with images share nothing between them
         dataset = dataset.select(range(min(len(dataset), GROUPING_SAMPLE)))
         try:
             groups = self._prompt_groups_of(dataset)
