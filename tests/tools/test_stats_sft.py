@@ -161,12 +161,13 @@ def test_stats_sft_joins_are_the_layouts():
     ("args", "message"),
     [
         (
-            ["--trainer", "kto", "--prefix_sharing_join", "always"],
-            "--prefix_sharing_join applies to --trainer dpo, reward or sft only",
+            ["--trainer", "online_dpo", "--prefix_sharing_join", "always"],
+            "--prefix_sharing_join applies to --trainer dpo, reward, kto, orpo, cpo or sft only: with --trainer "
+            "online_dpo the report lays out each prompt's group on its own",
         ),
         (
             ["--trainer", "grpo", "--prefix_sharing_join", "prompts"],
-            "--prefix_sharing_join applies to --trainer dpo, reward or sft",
+            "--prefix_sharing_join applies to --trainer dpo, reward, kto, orpo, cpo or sft",
         ),
         (["--trainer", "sft", "--prefix_sharing_join", "sometimes"], "invalid choice: 'sometimes'"),
         (

@@ -141,6 +141,147 @@ def test_stats_dpo_counts_exactly_what_training_lays_out(tokenizer, tmp_path):
     assert trained["sdpa"].tokens == _train_dpo(tokenizer, tmp_path, rows, batch_size)
 
 
+def _train(name: str, tokenizer, tmp_path, rows, batch_size: int, **config) -> tuple[int, int]:
+    """A run of this package's trainer `name` (ORPO, CPO or KTO; KTO with its reference) over `rows` in micro-batches
+    of `batch_size` consecutive examples (one epoch, SDPA fixed, as `_train_dpo`): the `num_shared_tokens` it logs
+    last, and the examples it trained on (KTO unpairs each pair into two)."""
+    import datasets
+
+    from trl_prefix_sharing.testing import make_model
+    from trl_prefix_sharing.testing.trainers import build_trainer, shared_tokens_of_run
+
+    examples = 2 * len(rows) if name == "kto" else len(rows)
+    steps = -(-examples // batch_size)
+    trainer = build_trainer(
+        name,
+        stock=False,
+        model=make_model("llama", len(tokenizer)),
+        ref_model=make_model("llama", len(tokenizer)),
+        tokenizer=tokenizer,
+        train_dataset=datasets.Dataset.from_list(rows),
+        output_dir=str(tmp_path / "run"),
+        copy_models=False,
+        use_cpu=True,
+        bf16=False,
+        prefix_sharing=True,
+        prefix_sharing_attn_implementation="sdpa",
+        per_device_train_batch_size=batch_size,
+        train_sampling_strategy="sequential",
+        max_steps=steps,
+        logging_steps=steps,
+        **config,
+    )
+    return shared_tokens_of_run(trainer), examples
+
+
+def _stats(capsys, model_dir, data, trainer: str, *flags) -> str:
+    from trl_prefix_sharing.cli.stats import main
+
+    argv = ["--dataset_name", str(data), "--model_name_or_path", model_dir, "--trainer", trainer, *flags]
+    assert main(argv) == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["orpo", "cpo"])
+def test_stats_paired_counts_what_training_lays_out_behind_a_system_prompt(
+    kind, model_dir, tokenizer, tmp_path, capsys
+):
+    """ORPO and CPO lay out the 2B rows of a micro-batch together in their step (`concatenated_forward`): pairs of
+    different prompts behind one system prompt share it there, though each example on its own shares only its prompt.
+    The positions `stats` counts as training lays them out are the `num_shared_tokens` of a real run over the same
+    consecutive micro-batches (printed, and to the position by `trained.measure_paired` over the trainer `stats`
+    builds), the verdict weighs them, and they are far below the per-example count; `--prefix_sharing_join prompts`
+    joins no micro-batch."""
+    import datasets
+
+    from trl_prefix_sharing.cli.stats.preprocessing import paired_trainer
+    from trl_prefix_sharing.cli.stats.trained import measure_paired
+    from trl_prefix_sharing.testing import make_model
+
+    rows, batch_size = _system_pairs(12), 4
+    data = tmp_path / "system_pairs.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = _stats(capsys, model_dir, data, kind, "--per_device_train_batch_size", str(batch_size))
+    assert _trained_line(out, "with SDPA (dense, the CPU's kernel):") == (
+        "3 of 3 micro-batches joined across examples (always)"
+    )
+    shared, stock = _trained_line(out, "tokens per example, shared:").split(" of stock's ")
+    per_example = _trained_line(out, "positions per example:")  # each example on its own
+    assert "verdict: prefix sharing pays on this dataset." in out
+
+    logged, examples = _train(kind, tokenizer, tmp_path, rows, batch_size)
+    assert shared == f"{logged / examples:.1f}"  # printed to one decimal
+    assert float(stock.split(":")[0]) == float(per_example.split("stock ")[1].split(",")[0])
+    assert float(per_example.split("shared ")[1].split(" ")[0]) > 1.5 * logged / examples
+    trainer = paired_trainer(datasets.Dataset.from_list(rows), tokenizer, kind, 1024)
+    trained = measure_paired(trainer, make_model("llama", len(tokenizer)), batch_size)
+    assert trained["sdpa"].tokens == logged and trained["sdpa"].joins["always"] == 3
+
+    prompts = _stats(
+        capsys, model_dir, data, kind, "--per_device_train_batch_size", "4", "--prefix_sharing_join", "prompts"
+    )
+    assert _trained_line(prompts, "with SDPA (dense, the CPU's kernel):").startswith("0 of 3 micro-batches")
+
+
+def test_stats_orpo_counts_scored_padding_as_training_does(tokenizer, tmp_path):
+    """With `prefix_sharing_score_padding=True` the shared rows also compute each stock row's padding: what
+    `trained.measure_paired` counts is still the run's `num_shared_tokens` (three micro-batches of 2, of rows of
+    different lengths)."""
+    import datasets
+
+    from trl_prefix_sharing.cli.stats.preprocessing import paired_trainer
+    from trl_prefix_sharing.cli.stats.trained import measure_paired
+    from trl_prefix_sharing.testing import make_model
+
+    rows = [
+        {**row, "chosen": [{"role": "assistant", "content": " ".join(["w7"] * (1 + i % 3))}]}
+        for i, row in enumerate(_system_pairs(6))
+    ]
+    logged, _ = _train("orpo", tokenizer, tmp_path, rows, 2, prefix_sharing_score_padding=True)
+    trainer = paired_trainer(datasets.Dataset.from_list(rows), tokenizer, "orpo", 1024, score_padding=True)
+    scored = measure_paired(trainer, make_model("llama", len(tokenizer)), 2)["sdpa"]
+    assert scored.tokens == logged
+    trainer = paired_trainer(datasets.Dataset.from_list(rows), tokenizer, "orpo", 1024)
+    assert measure_paired(trainer, make_model("llama", len(tokenizer)), 2)["sdpa"].tokens < logged
+
+
+@pytest.mark.parametrize("merge_kl", [None, False], ids=["merged", "apart"])
+def test_stats_kto_counts_what_training_lays_out_behind_a_system_prompt(
+    merge_kl, model_dir, tokenizer, tmp_path, capsys
+):
+    """KTO lays out each micro-batch's main and KL rows together in the policy's pass (merged, as its rule does on
+    these long prompts), or the main rows and the KL rows one layout each (`prefix_sharing_merge_kl=False`): either
+    way different prompts share the system prompt. What `stats` counts of the policy's pass is the run's
+    `num_shared_tokens` (printed, and to the position by `trained.measure_kto`), and the verdict weighs a training
+    step as training lays it out."""
+    import datasets
+
+    from trl_prefix_sharing.cli.stats.preprocessing import kto_trainer
+    from trl_prefix_sharing.cli.stats.trained import measure_kto
+    from trl_prefix_sharing.testing import make_model
+
+    rows, batch_size = _system_pairs(6), 4  # unpaired: 12 examples, three micro-batches
+    data = tmp_path / "system_pairs.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    flags = ["--per_device_train_batch_size", str(batch_size)]
+    flags += [] if merge_kl is None else ["--prefix_sharing_merge_kl", str(merge_kl).lower()]
+    out = _stats(capsys, model_dir, data, "kto", *flags)
+    merged = 3 if merge_kl is None else 0
+    joins = _trained_line(out, "with SDPA (dense, the CPU's kernel):")
+    assert f"the policy's main and KL rows in one layout in {merged} of 3 micro-batches" in joins
+    shared = _trained_line(out, "tokens per example, shared:").split(" of stock's ")[0]
+    assert "a training step, shared:" in out and "of the ideals of a training step as training lays it out" in out
+    assert "verdict: prefix sharing pays on this dataset." in out
+
+    logged, examples = _train("kto", tokenizer, tmp_path, rows, batch_size, prefix_sharing_merge_kl=merge_kl)
+    assert shared == f"{logged / examples:.1f}"
+    alone = _trained_line(out, "positions per example, main and KL rows:")  # each example on its own
+    assert float(alone.split("shared ")[1].split(" ")[0]) > 1.2 * logged / examples
+    trainer = kto_trainer(datasets.Dataset.from_list(rows), tokenizer, 1024, batch_size, merge_kl=merge_kl)
+    trained = measure_kto(trainer, make_model("llama", len(tokenizer)), batch_size)["sdpa"]
+    assert trained.tokens == logged and trained.merged == merged and trained.examples == examples
+
+
 def test_the_package_record_is_what_the_benchmarks_recorded():
     """`trl_prefix_sharing/data/measured_speedups.json` (what `stats` quotes) is exactly what `benchmarks.record`
     derives from the records of `docs/benchmarks`: rerun `python -m benchmarks.record` after a benchmark is recorded

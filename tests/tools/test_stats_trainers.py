@@ -262,6 +262,12 @@ def _value(stdout, label):
     return _line(stdout, label).split(label)[1].split()[0]
 
 
+def _trained(stdout, label):
+    """What follows `label` on its first line: in the block of what training lays out with SDPA."""
+    line = next(line for line in stdout.splitlines() if line.strip().startswith(label))
+    return line.split(label)[1].strip()
+
+
 @pytest.fixture(scope="module")
 def tok_dir(tokenizer, tmp_path_factory):
     path = tmp_path_factory.mktemp("stats_trainers") / "tok"
@@ -296,6 +302,10 @@ def test_stats_orpo_positions_match_a_hand_count(tok_dir, tmp_path, capsys):
         assert _value(out, "prefix_sharing_score_padding=True:") == f"{20 / 14:.2f}x"
         assert "so that the logits/chosen and logits/rejected metrics are stock's" in other
         assert f"no {kind.upper()} benchmark recorded" in out
+        # as training lays it out: one example, the same rows
+        assert _trained(out, "with SDPA (dense, the CPU's kernel):").startswith("0 of 1 micro-batches joined")
+        assert _trained(out, "tokens per example, shared:").startswith(f"13.0 of stock's 19.0: {19 / 13:.2f}x")
+        assert _trained(out, "with padding, shared:").startswith(f"13.0 of stock's 20.0: {20 / 13:.2f}x")
         assert "verdict: prefix sharing pays on this dataset." in out  # min(1.46, 1.54) >= 1.15
     argv = ["--dataset_name", data, "--model_name_or_path", tok_dir, "--trainer", "orpo"]
     assert main([*argv, "--prefix_sharing_score_padding", "true"]) == 0
@@ -303,6 +313,7 @@ def test_stats_orpo_positions_match_a_hand_count(tok_dir, tmp_path, capsys):
     assert "stock 20.0, shared 14.0 (each stock row's padding computed too" in _line(out, "with padding, batches")
     assert _value(out, "ideal with padding, batches of 8:") == f"{20 / 14:.2f}x"
     assert _value(out, "prefix_sharing_score_padding=False:") == f"{20 / 13:.2f}x"
+    assert _trained(out, "with padding, shared:").startswith(f"14.0 of stock's 20.0: {20 / 14:.2f}x")
     assert "verdict: prefix sharing pays on this dataset." in out  # min(1.46, 1.43) >= 1.15
 
 
@@ -318,7 +329,9 @@ def test_stats_kto_positions_match_a_hand_count(tok_dir, tmp_path, capsys):
     `w4` + 3) = 10 and 5 + (a copy of `w7` + 2) = 8: 18. Padded: stock 2 x 6 + 2 x 7 = 26, the shared rows 2 x 10 =
     20. A step (a pass with gradients weighted 3): stock 3 x 12 + 14 (policy) + 12 + 14 (reference) = 76. The batch's
     prompt tokens, 6, do not exceed twice its KL completion tokens, 5: the policy runs main and KL rows apart, 3 x 12
-    + 14, the reference merged, 20: 70. Merged (`--prefix_sharing_merge_kl true`): 20 + 3 x 20 = 80."""
+    + 14, the reference merged, 20: 70. Merged (`--prefix_sharing_merge_kl true`): 20 + 3 x 20 = 80. As training lays
+    it out, the policy's pass apart shares nothing (the two prompts differ): 22 tokens of 22; a step without padding,
+    stock 3 x 11 + 11 + 22 = 66, shared 3 x 11 + 11 + 18 = 62."""
     from trl_prefix_sharing.cli.stats import main
 
     argv = ["--dataset_name", _write_jsonl(tmp_path / "kto.jsonl", _KTO_HAND), "--model_name_or_path", tok_dir]
@@ -334,11 +347,24 @@ def test_stats_kto_positions_match_a_hand_count(tok_dir, tmp_path, capsys):
     assert "0 of 1 batches (when a batch's prompt tokens exceed twice" in _line(out, "policy's gradient pass")
     assert _value(out, "ideal speedup of a training step:") == f"{76 / 70:.2f}x"
     assert "no KTO benchmark recorded" in out
-    assert "verdict: prefix sharing pays little on this dataset." in out  # the step: 1.09x
+    joins = _trained(out, "with SDPA (dense, the CPU's kernel):")
+    assert joins.startswith("0 of 2 layouts joined across examples (always), 2 by prompts")
+    assert joins.endswith(
+        "the policy's main and KL rows in one layout in 0 of 1 micro-batches, one layout each in the others"
+    )
+    assert _trained(out, "tokens per example, shared:").startswith("11.0 of stock's 11.0: 1.00x (the policy's pass")
+    assert _trained(out, "a training step, shared:").startswith(
+        f"31.0 of stock's 33.0: {66 / 62:.2f}x; with padding 35.0 of 38.0: {76 / 70:.2f}x"
+    )
+    assert "verdict: prefix sharing pays little on this dataset." in out  # the step: 1.06x, 1.09x with padding
     assert main([*argv, "--trainer", "kto", "--prefix_sharing_merge_kl", "true"]) == 0
     out = capsys.readouterr().out
     assert "1 of 1 batches (prefix_sharing_merge_kl=True)" in _line(out, "policy's gradient pass")
     assert _value(out, "ideal speedup of a training step:") == f"{76 / 80:.2f}x"
+    assert _trained(out, "a training step, shared:").endswith(
+        f"with padding 40.0 of 38.0: {76 / 80:.2f}x (the policy's pass, weighted 3 where it has gradients, and the "
+        "reference's)"
+    )
     assert "verdict: prefix sharing does not pay on this dataset." in out
 
 

@@ -10,25 +10,27 @@ once) and of the rest of each row, token positions per example with and without 
 Two ideals: the padding-free one (stock / shared tokens, `2(p+c)/(p+2c)` for a pair) and the one with padding (stock's
 padded rows / the shared rows, in batches of `--per_device_train_batch_size`: the positions each really computes).
 
-DPO and reward are then counted as training lays them out (`trained.py`): each micro-batch of
-`--per_device_train_batch_size` consecutive examples through the trainer's own collator, under
-`--prefix_sharing_join` (as in the configs: `prompts` joins the rows of a prompt's several pairs, `always` also rows
-of different prompts that share a start, such as a system prompt; `auto`, the default, keeps per micro-batch the plan
-of lower estimated cost), laid out by training's `build_layout` with the cost model of the model given (its config,
-built without weights) under SDPA, the kernel `auto` takes on the CPU, and under varlen, CUDA's first choice. The
-report prints how many micro-batches were joined across examples and the positions (those a run logs as
-`num_shared_tokens`), and the verdict weighs them. With `prefix_sharing_attn_implementation="auto"` training may also
-run another kernel, or stock's own rows, where it measures them faster: that choice is made by measured time, which
-no count can predict.
+Each micro-batch of `--per_device_train_batch_size` consecutive examples is then counted as training lays it out
+(`trained.py`): DPO and reward through the trainer's own collator; ORPO and CPO their chosen and rejected rows as
+the trainer's collator and TRL's `concatenated_inputs` build them in the step, KTO its main and KL rows (the
+policy's pass over both in one layout where `--prefix_sharing_merge_kl` merges them, else one layout each), laid out
+as the trainer's step lays them out. All under `--prefix_sharing_join` (as in the configs: `prompts` joins the rows of
+a prompt, `always` also rows of different prompts that share a start, such as a system prompt; `auto`, the default,
+keeps per micro-batch the plan of lower estimated cost), by training's `build_layout` with the cost model of the model
+given (its config, built without weights) under SDPA, the kernel `auto` takes on the CPU, and under varlen, CUDA's
+first choice. The report prints how many micro-batches (KTO: layouts) were joined across examples and the positions
+(those a run logs as `num_shared_tokens`; KTO also a training step's), and the verdict weighs them. With
+`prefix_sharing_attn_implementation="auto"` training may also run another kernel, or stock's own rows, where it
+measures them faster: that choice is made by measured time, which no count can predict.
 
-The expected speedup is the ideal with padding (DPO and reward: as training lays it out with SDPA) times the share of
-it that the recorded benchmark reached on the profile whose shared prefix/rest ratio is nearest to this dataset's, one
-line per device recorded (`trl_prefix_sharing/data/measured_speedups.json`, derived from `docs/benchmarks` by
-`python -m benchmarks.record`); a device with no record says so. It is never printed above the ideal with padding,
-and where it is above the padding-free ideal its line says why (stock also computes its rows' padding, which the
-shared rows drop). Nor is it printed below 1: where the nearest profile measured sharing slower than stock, training's
-`"auto"` (the default kernel choice) measures that on its first micro-batch and runs stock's own rows, and the line
-says so. The verdict takes the lowest of these.
+The expected speedup is the ideal with padding as training lays it out with SDPA (KTO: that of a training step)
+times the share of it that the recorded benchmark reached on the profile whose shared prefix/rest ratio is nearest to
+this dataset's, one line per device recorded (`trl_prefix_sharing/data/measured_speedups.json`, derived from
+`docs/benchmarks` by `python -m benchmarks.record`); a device with no record says so. It is never printed above the
+ideal with padding, and where it is above the padding-free ideal its line says why (stock also computes its rows'
+padding, which the shared rows drop). Nor is it printed below 1: where the nearest profile measured sharing slower
+than stock, training's `"auto"` (the default kernel choice) measures that on its first micro-batch and runs stock's
+own rows, and the line says so. The verdict takes the lowest of these.
 
 - `dpo`, `reward`: each pair's two rows (or a ranked example's K rows), through the trainer's collator; packing too.
 - `orpo`, `cpo`: TRL's experimental ORPO/CPO tokenization (`tokenize_row`: BOS added, EOS added, the completions cut to
@@ -38,8 +40,8 @@ says so. The verdict takes the lowest of these.
 - `kto`: TRL's KTO tokenization; each example's main row `[prompt | completion]` and its KL row `[prompt | the previous
   example's completion]` (rotated within batches of `--per_device_train_batch_size`, as TRL does). The reference pass
   runs both after one copy of the prompt; the policy's gradient pass does so where `--prefix_sharing_merge_kl` merges
-  (by default: when a batch's prompt tokens exceed twice its KL completion tokens), so a training step is reported too
-  (its ideal is the one the expected speedup scales).
+  (by default: when a batch's prompt tokens exceed twice its KL completion tokens), so a training step is reported too,
+  each example on its own and as training lays it out (the latter's ideal is the one the expected speedup scales).
 
 SFT data (`--trainer sft`: `text`, `messages`, or `prompt` + `completion`, text or conversational): prepared by the
 SFT trainer itself, built on a tiny stand-in model (`cli/prepared.py`), so TRL's own preparation runs (EOS

@@ -16,7 +16,6 @@ from .defaults import (
     NUM_GENERATIONS,
     ORPO_DEFAULT_LENGTH,
     PAIRED_TRAINERS,
-    PREFERENCE_TRAINERS,
     SFT_JOIN,
     SFT_JOINS,
     TRUNCATION_MODE,
@@ -110,18 +109,18 @@ def make_parser() -> argparse.ArgumentParser:
         "--per_device_train_batch_size",
         type=_int_at_least(1),
         default=None,
-        help="examples per micro-batch, for the padding and packing estimates, KTO's KL rows and the rows DPO, "
-        f"reward and SFT training lays out together (default: {BATCH_SIZE})",
+        help="examples per micro-batch, for the padding and packing estimates, KTO's KL rows and the rows training "
+        f"lays out together (default: {BATCH_SIZE})",
     )
     data.add_argument(
         "--prefix_sharing_join",
         choices=SFT_JOINS,
         default=None,
-        help="dpo, reward and sft, as in their configs: which rows of a micro-batch join one shared row: rows that "
-        "share a prompt (prompts: a prompt's several pairs or completions), rows that share any start of two tokens "
-        "or more, whichever examples they come from (always: a system prompt, a preamble), or per micro-batch the "
-        "plan of the two whose estimated cost for the model is lower (auto; the report counts what it keeps; "
-        f"default: {SFT_JOIN})",
+        help="dpo, reward, kto, orpo, cpo and sft, as in their configs: which rows of a micro-batch join one shared "
+        "row: rows that share a prompt (prompts: a prompt's several pairs or completions), rows that share any start "
+        "of two tokens or more, whichever examples they come from (always: a system prompt, a preamble), or per "
+        "micro-batch the plan of the two whose estimated cost for the model is lower (auto; the report counts what "
+        f"it keeps; default: {SFT_JOIN})",
     )
     data.add_argument(
         "--prefix_sharing_score_padding",
@@ -174,7 +173,7 @@ _APPLIES_TO = {
     "max_length": (*DATA_TRAINERS, "sft", "online_dpo"),
     "truncation_mode": ("dpo", "sft"),
     "per_device_train_batch_size": (*DATA_TRAINERS, "sft"),
-    "prefix_sharing_join": (*PREFERENCE_TRAINERS, "sft"),
+    "prefix_sharing_join": (*DATA_TRAINERS, "sft"),
     "prefix_sharing_score_padding": PAIRED_TRAINERS,
     "prefix_sharing_merge_kl": ("kto",),
     "num_generations": GROUP_TRAINERS,
@@ -204,8 +203,8 @@ def _does_not_apply(flag: str, trainer: str) -> str:
     why = _WHY_NOT.get((flag, trainer))
     if why is None and flag == "prefix_sharing_join":
         why = (
-            f"with --trainer {trainer} the report lays out each example's rows (or each prompt's group) on its own, "
-            "so no rows of different examples are joined"
+            f"with --trainer {trainer} the report lays out each prompt's group on its own, so no rows of different "
+            "prompts are joined"
         )
     if why is None and trainer in ("grpo", "rloo"):
         why = f"with --trainer {trainer} the prompts are not truncated and padding is not counted"
@@ -257,6 +256,6 @@ def parse_args(argv: list[str] | None):
     args.per_device_train_batch_size = args.per_device_train_batch_size or BATCH_SIZE
     if args.prefix_sharing_score_padding is None:
         args.prefix_sharing_score_padding = False  # ConcatenatedSharingArguments' default
-    if args.trainer in (*PREFERENCE_TRAINERS, "sft"):
+    if args.trainer in (*DATA_TRAINERS, "sft"):
         args.prefix_sharing_join = args.prefix_sharing_join or SFT_JOIN
     return args

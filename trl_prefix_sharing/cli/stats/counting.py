@@ -2,8 +2,9 @@
 prefix sharing. DPO and reward data are collated by the trainer's own collator; the rows of a KTO or ORPO/CPO
 micro-batch are built here as TRL's collators build them (`kto_rows`, `paired_rows`:
 `tests/tools/test_stats_trainers.py` compares them with what TRL's trainers collate) and planned by the layout training
-builds (`plan_rows`); SFT's micro-batches go through the SFT trainer's own collator (TRL's, wrapped in
-`PrefixSharingCollator` with the SFT trainer's examples and prompts), so the counts are what training lays out
+builds (`plan_rows`), each example on its own (what training lays out of them across examples: `trained.py`); SFT's
+micro-batches go through the SFT trainer's own collator (TRL's, wrapped in `PrefixSharingCollator` with the SFT
+trainer's examples and prompts), so the counts are what training lays out
 (`test_stats_sft_counts_what_a_training_run_logs`). Also the packing estimate of DPO and reward data (`_packing`)."""
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def _count_examples(
         rows = [lengths[r] for r in group]
         shared_p = p + 1 if p else 0  # the prefix plus the copy of its last token heading each branch
         counts.shared_lens.append(shared_p)
-        counts.rest_lens.extend(n - shared_p for n in rows)
+        counts.rest_lens.extend(max(n - shared_p, 0) for n in rows)  # a row that is all prefix: none
         if prompts is not None:
             prompt = prompts[group[0]]
             counts.prompt_lens.append(prompt)

@@ -59,29 +59,41 @@ def _prepared_preferences(dataset, tokenizer, args):
     return trainer.train_dataset, trainer.data_collator
 
 
-def kto_dataset(dataset, tokenizer, max_length: int | None, batch_size: int):
-    """`dataset` as the KTO trainer prepares it (TRL's `_prepare_dataset`, run by this package's trainer on a tiny
-    stand-in model: `prepared.prepared_trainer`): `prompt_ids`, `completion_ids` and `KL_completion_ids` per example.
-    Pairs are unpaired, text completions end with EOS, the examples whose prompt alone fills `max_length` are dropped,
-    and the KL completions are rotated within each batch of `batch_size` consecutive examples (TRL's default loss,
-    `"kto"`, computes the KL rows)."""
+def kto_trainer(dataset, tokenizer, max_length: int | None, batch_size: int, join: str = SFT_JOIN, merge_kl=None):
+    """This package's `KTOTrainer` built on a tiny stand-in model (`prepared.prepared_trainer`), with the config's
+    `prefix_sharing_join` `join` and `prefix_sharing_merge_kl` `merge_kl`: its `train_dataset` is `dataset` as TRL's
+    `_prepare_dataset` prepares it (`prompt_ids`, `completion_ids` and `KL_completion_ids` per example: pairs are
+    unpaired, text completions end with EOS, the examples whose prompt alone fills `max_length` are dropped, and the KL
+    completions are rotated within each batch of `batch_size` consecutive examples, as TRL's default loss, `"kto"`,
+    computes the KL rows), and its `data_collator` is TRL's."""
     from ..prepared import prepared_trainer
 
-    options = {"max_length": max_length, "per_device_train_batch_size": batch_size}
-    return prepared_trainer("kto", dataset, tokenizer, **options).train_dataset
+    options = {"max_length": max_length, "per_device_train_batch_size": batch_size, "prefix_sharing_join": join}
+    return prepared_trainer("kto", dataset, tokenizer, prefix_sharing_merge_kl=merge_kl, **options)
 
 
-def paired_dataset(dataset, tokenizer, trainer: str, max_length: int):
-    """`dataset` as the ORPO or CPO trainer (`trainer`) prepares it: TRL's `maybe_extract_prompt`,
-    `maybe_apply_chat_template` and `tokenize_row` (BOS heading the prompt, EOS ending each completion, a row longer
-    than `max_length` losing the end of its completion, never the prompt), run by the trainer itself, built on a tiny
-    stand-in model (`prepared.prepared_trainer`): `prompt_input_ids`, `chosen_input_ids`, `chosen_labels`,
-    `rejected_input_ids` and `rejected_labels` per example. Nothing is dropped."""
+def kto_dataset(dataset, tokenizer, max_length: int | None, batch_size: int):
+    """`dataset` as the KTO trainer prepares it (`kto_trainer`'s `train_dataset`)."""
+    return kto_trainer(dataset, tokenizer, max_length, batch_size).train_dataset
+
+
+def paired_trainer(dataset, tokenizer, trainer: str, max_length: int, score_padding=False, join: str = SFT_JOIN):
+    """The ORPO or CPO trainer (`trainer`) built on a tiny stand-in model (`prepared.prepared_trainer`), with the
+    config's `prefix_sharing_score_padding` `score_padding` and `prefix_sharing_join` `join`: its `train_dataset` is
+    `dataset` as TRL's `maybe_extract_prompt`, `maybe_apply_chat_template` and `tokenize_row` prepare it (BOS heading
+    the prompt, EOS ending each completion, a row longer than `max_length` losing the end of its completion, never the
+    prompt; `prompt_input_ids`, `chosen_input_ids`, `chosen_labels`, `rejected_input_ids` and `rejected_labels` per
+    example; nothing is dropped), and its `data_collator` and `concatenated_inputs` build the stock rows of a step."""
     from ..prepared import prepared_trainer
 
     # `remove_unused_columns=False`: what TRL's collator for these trainers needs (it sets it itself, with a warning)
-    options = {"max_length": max_length, "remove_unused_columns": False}
-    return prepared_trainer(trainer, dataset, tokenizer, **options).train_dataset
+    options = {"max_length": max_length, "remove_unused_columns": False, "prefix_sharing_join": join}
+    return prepared_trainer(trainer, dataset, tokenizer, prefix_sharing_score_padding=score_padding, **options)
+
+
+def paired_dataset(dataset, tokenizer, trainer: str, max_length: int):
+    """`dataset` as the ORPO or CPO trainer (`trainer`) prepares it (`paired_trainer`'s `train_dataset`)."""
+    return paired_trainer(dataset, tokenizer, trainer, max_length).train_dataset
 
 
 def sft_trainer(dataset, tokenizer, max_length: int | None, truncation_mode: str, join: str = SFT_JOIN):

@@ -25,13 +25,21 @@ from .preprocessing import (
     _prepared_preferences,
     _preprocess,
     _quiet_preprocessing,
-    kto_dataset,
-    paired_dataset,
+    kto_trainer,
+    paired_trainer,
     prompt_lengths,
     sft_trainer,
 )
 from .speedups import expected_speedups, measured_group_speedups
-from .trained import TrainedCounts, cost_model, kernel_collators, measure_trained, print_trained
+from .trained import (
+    TrainedCounts,
+    cost_model,
+    kernel_collators,
+    measure_kto,
+    measure_paired,
+    measure_trained,
+    print_trained,
+)
 
 
 def _percentiles(values, points=(10, 50, 90, 99)):
@@ -102,7 +110,7 @@ def _print_lengths(args, counts: _PreferenceCounts) -> None:
 
 
 def _print_speedups(args, counts: _PreferenceCounts) -> list[float]:
-    """The report's ideal speedups; returns the ones the verdict weighs (what training can deliver)."""
+    """The report's ideal speedups, each example on its own; returns them."""
     ideal = counts.stock_tokens / max(counts.shared_tokens, 1)
     padded = counts.stock_padded / max(counts.shared_padded, 1)
     batch_size = args.per_device_train_batch_size
@@ -144,7 +152,7 @@ def _print_speedups(args, counts: _PreferenceCounts) -> list[float]:
     _line(
         "policy's gradient pass with the KL rows:",
         f"{counts.merged} of {counts.batches:,} batches ({rule}); the others run the main rows and the KL "
-        "rows apart, where different prompts share nothing",
+        "rows apart, where different prompts share nothing when each example is laid out on its own",
     )
     _line(
         "ideal speedup of a training step:",
@@ -155,7 +163,8 @@ def _print_speedups(args, counts: _PreferenceCounts) -> list[float]:
 
 
 def _print_trained(args, trained: dict[str, TrainedCounts], note: str | None) -> list[float]:
-    """The report's lines on what training lays out (DPO, reward, SFT with `auto`); returns their ideals."""
+    """The report's lines on what training lays out (DPO, reward, KTO, ORPO, CPO; SFT with `auto`); returns their
+    ideals (KTO: those of a training step)."""
     join, batch_size = args.prefix_sharing_join, args.per_device_train_batch_size
     how = (
         "prefix_sharing_join=auto keeps, per micro-batch, whichever plan the step's estimated cost for this model "
@@ -166,22 +175,22 @@ def _print_trained(args, trained: dict[str, TrainedCounts], note: str | None) ->
     print(f"  as training lays it out, in micro-batches of {batch_size} consecutive examples; {how}:")
     if note:
         print(f"    ({note})")
-    print_trained(trained, _WIDTH)
+    print_trained(trained, _WIDTH, "the policy's pass over the main and KL rows: " if args.trainer == "kto" else "")
     return [figure for counts in trained.values() for figure in counts.figures]
 
 
-def _print_preference_report(args, counts: _PreferenceCounts, trained=None, note=None) -> None:
+def _print_preference_report(args, counts: _PreferenceCounts, trained: dict, note: str | None) -> None:
+    """The report: each example on its own (`counts`), then as training lays it out (`trained`), whose ideals (KTO:
+    those of a training step) the expected speedup scales and the verdict weighs."""
     n = len(counts.shared_lens)
     examples = _count(n, "example")
     print(f"Dataset {args.dataset_name} ({examples} after TRL's preprocessing; {args.trainer}, {_limits(args)})")
     _line("model:", args.model_note)
     _print_lengths(args, counts)
-    figures = _print_speedups(args, counts)
-    basis = "of the ideal of a training step; " if args.trainer == "kto" else ""
-    scaled = (figures[0], figures[-1])  # KTO: the ideal of a training step
-    if trained:  # the verdict weighs what training computes
-        figures = _print_trained(args, trained, note)
-        basis, scaled = "of the ideals as training lays it out with SDPA; ", tuple(trained["sdpa"].figures)
+    _print_speedups(args, counts)
+    figures = _print_trained(args, trained, note)
+    step = "of a training step " if args.trainer == "kto" else ""
+    basis, scaled = f"of the ideals {step}as training lays it out with SDPA; ", tuple(trained["sdpa"].figures)
     median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
     ratio = median(counts.shared_lens) / max(median(counts.rest_lens), 1)
     print(
@@ -195,32 +204,49 @@ def _print_preference_report(args, counts: _PreferenceCounts, trained=None, note
 
 def preference_report(dataset, tokenizer, args) -> None:
     """The report on data with its completions (`--trainer dpo`, `reward`, `kto`, `orpo` or `cpo`): prepared as the
-    trainer prepares it, its stock rows laid out as training lays them out (DPO and reward: each example on its own,
-    then in micro-batches as training lays them out, by the trainer's collator: `trained.py`)."""
+    trainer prepares it, its stock rows laid out as training lays them out, each example on its own, then in
+    micro-batches as training lays them out (`trained.py`: DPO and reward by the trainer's collator, KTO, ORPO and CPO
+    as the trainer's step lays out the rows it builds)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     pad, batch_size, max_length = tokenizer.pad_token_id, args.per_device_train_batch_size, args.max_length or None
-    trained = note = None
     if args.trainer in PREFERENCE_TRAINERS:
         dataset, collator = _prepared_preferences(dataset, tokenizer, args)
         counts = _measure_preferences(dataset, collator.base_collator, pad, batch_size)
-        if counts.shared_lens:
-            head = TRAINER_SPECS[args.trainer].model_head
-            model, note = cost_model(args.model_config, tokenizer, head, args.trust_remote_code)
-            trained = measure_trained(dataset, collator, model, batch_size)
+        measure = lambda model: measure_trained(dataset, collator, model, batch_size)  # noqa: E731
     elif args.trainer == "kto":
         with _quiet_preprocessing(dataset):
-            dataset = _preprocess("KTOTrainer", kto_dataset, dataset, tokenizer, max_length, batch_size)
-        counts = _measure_kto(dataset, pad, args) if len(dataset) else _PreferenceCounts()
+            trainer = _preprocess(
+                "KTOTrainer",
+                kto_trainer,
+                dataset,
+                tokenizer,
+                max_length,
+                batch_size,
+                args.prefix_sharing_join,
+                args.prefix_sharing_merge_kl,
+            )
+        counts = _measure_kto(trainer.train_dataset, pad, args) if len(trainer.train_dataset) else _PreferenceCounts()
+        measure = lambda model: measure_kto(trainer, model, batch_size)  # noqa: E731
     else:
         with _quiet_preprocessing(dataset):
-            dataset = _preprocess(
-                TRAINER_CLASSES[args.trainer], paired_dataset, dataset, tokenizer, args.trainer, args.max_length
+            trainer = _preprocess(
+                TRAINER_CLASSES[args.trainer],
+                paired_trainer,
+                dataset,
+                tokenizer,
+                args.trainer,
+                args.max_length,
+                args.prefix_sharing_score_padding,
+                args.prefix_sharing_join,
             )
-        counts = _measure_paired(dataset, pad, batch_size, args.prefix_sharing_score_padding)
+        counts = _measure_paired(trainer.train_dataset, pad, batch_size, args.prefix_sharing_score_padding)
+        measure = lambda model: measure_paired(trainer, model, batch_size)  # noqa: E731
     if not counts.shared_lens:
         limit = f"longer than --max_length {max_length}" if max_length else "empty after tokenization"
         raise StatsError(f"no examples left after TRL's preprocessing: all were {limit}; raise --max_length")
-    _print_preference_report(args, counts, trained, note)
+    head = TRAINER_SPECS[args.trainer].model_head
+    model, note = cost_model(args.model_config, tokenizer, head, args.trust_remote_code)
+    _print_preference_report(args, counts, measure(model), note)
 
 
 def _sft_plan_figures(args, counts: _SFTCounts, plan: _SFTPlanCounts) -> list[float]:
