@@ -9,7 +9,6 @@ runs unchanged. For preference trainers packing (`packing.py`) composes with it.
 from __future__ import annotations
 
 from datasets import Dataset
-from transformers.utils import logging
 
 from .collator import PrefixSharingCollator
 from .examples import example_ids, prompt_lengths
@@ -20,8 +19,6 @@ from .vision import is_vision_config
 
 
 __all__ = ["CollatedSharingMixin", "PreferenceSharingMixin"]
-
-logger = logging.get_logger(__name__)
 
 #: the examples of the training set `_grouping_hint` lays out in both orders (once, before training)
 GROUPING_SAMPLE = 1024
@@ -77,7 +74,9 @@ class CollatedSharingMixin(PrefixSharingMixin):
         line's ending (`savings.grouping_gain`), else nothing."""
         args = self.args
         dataset = self.train_dataset
-        if getattr(args, "group_by_prompt", True) or self.packing or args.per_device_train_batch_size < 2:
+        if not args.should_log or getattr(args, "group_by_prompt", True) or self.packing:
+            return ""  # (the line is logged by the main process only)
+        if args.per_device_train_batch_size < 2:
             return ""
         if not isinstance(dataset, Dataset) or is_vision_config(self.sharing_session.models[0].config):
             return ""  # a stream has no prompts to read ahead; examples with images share nothing between them
@@ -97,7 +96,7 @@ class CollatedSharingMixin(PrefixSharingMixin):
         the batch's layout prepared, and the positions of a training forward counted."""
         if self.sharing_session is not None:
             layout = self._prepare_layout(inputs)
-            if self.model.training:  # the dataset's line was logged at `train()`
+            if self.model.training:  # a training forward (evaluation's are not counted)
                 self.shared_positions.count(layout, inputs["attention_mask"])
 
 
