@@ -39,42 +39,6 @@ def _system_pairs(n: int) -> list[dict]:
     ]
 
 
-def _train_dpo(tokenizer, tmp_path, rows, batch_size: int, lines=None) -> int:
-    """A run of this package's `DPOTrainer` over `rows` in micro-batches of `batch_size` consecutive pairs (one epoch,
-    the default `prefix_sharing_join="auto"`, SDPA fixed: the plan is the cost model's, as `stats` counts it; `"auto"`
-    would also pick a kernel, or stock's rows, by measured time): the `num_shared_tokens` it logs last (a running
-    total of the positions its policy's training forwards computed); its start-up line appended to `lines`, if
-    given."""
-    import datasets
-
-    from trl_prefix_sharing import DPOConfig, DPOTrainer
-    from trl_prefix_sharing.testing import make_model
-    from trl_prefix_sharing.testing.trainers import shared_tokens_of_run
-
-    steps = -(-len(rows) // batch_size)
-    config = DPOConfig(
-        output_dir=str(tmp_path / "run"),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        prefix_sharing=True,
-        prefix_sharing_attn_implementation="sdpa",
-        per_device_train_batch_size=batch_size,
-        train_sampling_strategy="sequential",
-        max_steps=steps,
-        logging_steps=steps,
-        save_strategy="no",
-    )
-    trainer = DPOTrainer(
-        model=make_model("llama", len(tokenizer)),
-        ref_model=make_model("llama", len(tokenizer)),
-        args=config,
-        train_dataset=datasets.Dataset.from_list(rows),
-        processing_class=tokenizer,
-    )
-    return shared_tokens_of_run(trainer, lines)
-
-
 def _trained_line(out: str, label: str) -> str:
     """The first line of what training lays out (SDPA's block) that starts with `label`, after it."""
     line = next(line for line in out.splitlines() if line.strip().startswith(label))
@@ -141,10 +105,13 @@ def test_stats_dpo_counts_exactly_what_training_lays_out(tokenizer, tmp_path):
     assert trained["sdpa"].tokens == _train_dpo(tokenizer, tmp_path, rows, batch_size)
 
 
-def _train(name: str, tokenizer, tmp_path, rows, batch_size: int, **config) -> tuple[int, int]:
-    """A run of this package's trainer `name` (ORPO, CPO or KTO; KTO with its reference) over `rows` in micro-batches
-    of `batch_size` consecutive examples (one epoch, SDPA fixed, as `_train_dpo`): the `num_shared_tokens` it logs
-    last, and the examples it trained on (KTO unpairs each pair into two)."""
+def _train(name: str, tokenizer, tmp_path, rows, batch_size: int, lines=None, **config) -> tuple[int, int]:
+    """A run of this package's trainer `name` (DPO, ORPO, CPO or KTO; with a reference where it takes one) over `rows`
+    in micro-batches of `batch_size` consecutive examples (one epoch, the default `prefix_sharing_join="auto"`, SDPA
+    fixed: the plan is the cost model's, as `stats` counts it; `"auto"` would also pick a kernel, or stock's rows, by
+    measured time): the `num_shared_tokens` it logs last (a running total of the positions its policy's training
+    forwards computed), and the examples it trained on (KTO unpairs each pair into two); its start-up line appended
+    to `lines`, if given."""
     import datasets
 
     from trl_prefix_sharing.testing import make_model
@@ -171,7 +138,11 @@ def _train(name: str, tokenizer, tmp_path, rows, batch_size: int, **config) -> t
         logging_steps=steps,
         **config,
     )
-    return shared_tokens_of_run(trainer), examples
+    return shared_tokens_of_run(trainer, lines), examples
+
+
+def _train_dpo(tokenizer, tmp_path, rows, batch_size: int, lines=None) -> int:
+    return _train("dpo", tokenizer, tmp_path, rows, batch_size, lines)[0]
 
 
 def _stats(capsys, model_dir, data, trainer: str, *flags) -> str:
