@@ -88,15 +88,20 @@ class PrefixSharingCollator:
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.base_collator(examples)
-        batch["prefix_sharing"] = build_layout(
+        batch["prefix_sharing"] = self.layout(batch)
+        return batch
+
+    def layout(self, batch, plans: list[LayoutPlan] | None = None):
+        """The `Layout` of a collated `batch`, chosen from `plans` (default: this batch's, `plans`) by the collator's
+        rows, cost model and tuning."""
+        return build_layout(
             StockRows(batch["input_ids"], batch["attention_mask"]),
             rows=self.rows,
             pad_token_id=self.pad_token_id,
-            plan=self.plans(batch),
+            plan=self.plans(batch) if plans is None else plans,
             cost=self.cost,
             tuning=self.tuning,
         )
-        return batch
 
     def unit_lengths(self, batch, units: torch.Tensor | None = None) -> list[int]:
         """Tokens each packing unit of `batch` occupies in a packed row: each example alone (its trie, or its

@@ -283,9 +283,9 @@ def _measure_sft(dataset, collator, batch_size: int, kernels: dict | None = None
     """Each micro-batch of `batch_size` consecutive examples collated and planned by the SFT trainer's own collator
     (`PrefixSharingCollator.plans`): per join rule (`auto`: both plans it chooses from), the positions of the shared
     rows; and with `kernels` (kernel -> the collator as training runs it there: `trained.kernel_collators`), the plan
-    training lays out per micro-batch under each (`trained.lay_out`)."""
+    training lays out per micro-batch under each (`PrefixSharingCollator.layout`)."""
     from ...sft_trainer import prompt_end
-    from .trained import TrainedCounts, lay_out
+    from .trained import TrainedCounts
 
     base = collator.base_collator
     counts = _SFTCounts()
@@ -306,7 +306,7 @@ def _measure_sft(dataset, collator, batch_size: int, kernels: dict | None = None
         for plan in plans:
             _count_sft_plan(counts.plans.setdefault(plan.join, _SFTPlanCounts()), plan, rows)
         for name, kernel in (kernels or {}).items():
-            layout, _ = lay_out(kernel, batch, plans)
+            layout = kernel.layout(batch, plans)
             counts.trained[name].add(batch, layout, len(rows))
             _count_sft_plan(counts.trained[name].plan, next(p for p in plans if p.join == layout.join), rows)
     return counts

@@ -59,24 +59,6 @@ def kernel_collators(collator, model) -> dict:
     return collators
 
 
-def lay_out(collator, batch, plans=None):
-    """The layout `collator` adds to the collated `batch` (what `PrefixSharingCollator.__call__` builds), from its
-    `plans` (default: the collator's plans of the batch); returns the layout and the plans it chose from."""
-    from ...layout import build_layout
-    from ...trie import StockRows
-
-    plans = collator.plans(batch) if plans is None else plans
-    layout = build_layout(
-        StockRows(batch["input_ids"], batch["attention_mask"]),
-        rows=collator.rows,
-        pad_token_id=collator.pad_token_id,
-        plan=plans,
-        cost=collator.cost,
-        tuning=collator.tuning,
-    )
-    return layout, plans
-
-
 class LayoutSession:
     """What training's `PrefixSharingSession` lays out of the stock rows a trainer builds in its step (ORPO, CPO, KTO:
     `session.layout`) with the kernel `kernel` of `KERNELS` fixed: `build_layout` under `join`, with the candidates
@@ -168,7 +150,7 @@ def measure_trained(dataset, collator, model, batch_size: int) -> dict[str, Trai
         batch = collator.base_collator(examples)
         plans = collator.plans(batch)
         for name, kernel in collators.items():
-            counts[name].add(batch, lay_out(kernel, batch, plans)[0], len(examples))
+            counts[name].add(batch, kernel.layout(batch, plans), len(examples))
     return counts
 
 
