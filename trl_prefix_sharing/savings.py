@@ -36,13 +36,13 @@ class GroupingGain:
 
 
 def _tokens(collator, dataset, order: list[int], batch_size: int) -> tuple[int, int]:
-    """Stock and shared tokens of the micro-batches of `batch_size` consecutive examples of `order`, each laid out by
-    `collator`'s plans (the least of them: where `"auto"` chooses, it takes the cheaper)."""
+    """Stock and shared tokens of the micro-batches of `batch_size` consecutive examples of `order`, each laid out as
+    `collator` lays it out in training (`PrefixSharingCollator.layout`: the join its cost model keeps)."""
     stock = shared = 0
     for first in range(0, len(order), batch_size):
         batch = collator.base_collator([dataset[i] for i in order[first : first + batch_size]])
         stock += int(batch["attention_mask"].sum())
-        shared += min(int(plan.document_lengths.sum()) for plan in collator.plans(batch))
+        shared += int(collator.layout(batch).num_positions)
     return stock, shared
 
 
