@@ -163,6 +163,8 @@ class StockRows:
         score_padding: also lay out the padding after each row's tokens, as stock computes it when a trainer scores
             it (online DPO's statistics do); see `layout.assemble_layout`.
         check: verify that each row's tokens are one run (a comparison on the rows' device, so a host sync there).
+        root: the first `root` columns of every row are one block all rows share (PEFT's virtual tokens, the same in
+            every row), so every row joins one document, whatever the join rule.
     """
 
     input_ids: torch.Tensor
@@ -173,6 +175,7 @@ class StockRows:
     share: bool = True
     score_padding: bool = False
     check: bool = True
+    root: int = 0
 
     def __post_init__(self):
         if self.input_ids.dim() != 2 or self.attention_mask.shape != self.input_ids.shape:
@@ -264,6 +267,8 @@ def _joined_plan(rows: _SortedRows, stock: StockRows, join: str) -> LayoutPlan:
         joins = shared >= torch.minimum(rows.prompts, _previous(rows.prompts)).clamp(min=1)
         if join == "always":  # any common start of two tokens saves positions (one is copied to start the branch)
             joins |= shared >= 2
+        if stock.root:  # a block every row starts with: one copy, visible to every row
+            joins |= shared >= stock.root
         if rows.same_example is not None:  # within examples only (sorted by example first): an example's rows are
             joins |= rows.same_example  # one document, as in stock's pairing, even when they share nothing
     else:
