@@ -15,6 +15,7 @@ from .examples import example_ids, prompt_lengths
 from .packing import PackingMixin, prompt_groups
 from .savings import grouping_gain
 from .sharing import PrefixSharingMixin
+from .virtual import computed_rows, with_virtual
 from .vision import is_vision_config
 
 
@@ -93,11 +94,12 @@ class CollatedSharingMixin(PrefixSharingMixin):
 
     def _share_batch(self, inputs) -> None:
         """A step's first act, before TRL's loss (or packing's, which may route a batch past TRL's `compute_loss`):
-        the batch's layout prepared, and the positions of a training forward counted."""
+        the batch's layout prepared (for a policy with prompt-learning PEFT, its rows behind the virtual tokens too),
+        and the positions of a training forward counted."""
         if self.sharing_session is not None:
-            layout = self._prepare_layout(inputs)
+            layout = with_virtual(self.sharing_session, self._prepare_layout(inputs))
             if self.model.training:  # a training forward (evaluation's are not counted)
-                self.shared_positions.count(layout, inputs["attention_mask"])
+                self.shared_positions.count(*computed_rows(layout, inputs["attention_mask"]))
 
 
 class PreferenceSharingMixin(PackingMixin, CollatedSharingMixin):

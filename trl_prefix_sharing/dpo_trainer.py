@@ -29,7 +29,8 @@ class DPOTrainer(PreferenceSharingMixin, trl.DPOTrainer):
     loss (all loss types and their combinations), the gradients and every logged metric equal stock TRL's to float
     precision; the model computes `len(prompt) + len(chosen) + len(rejected) + 1` positions per pair instead of
     `2 * len(prompt) + len(chosen) + len(rejected)`. `num_tokens` is logged as in stock TRL (tokens of the stock rows);
-    `num_shared_tokens` counts the positions really computed.
+    `num_shared_tokens` counts the positions really computed. PEFT's prompt tuning, P-tuning and prefix tuning too:
+    their virtual tokens are computed once per micro-batch (`virtual.py`).
 
     With `args.packing=True`, a multipack sampler fills rows of `packing_length` tokens with whole examples; the loss
     is rescaled so that every pair weighs the same whatever the packing, across gradient accumulation and ranks, and
@@ -38,6 +39,7 @@ class DPOTrainer(PreferenceSharingMixin, trl.DPOTrainer):
 
     _config_class = DPOConfig
     _supports_vision = True  # TRL's vision collator: images laid out by `trl_prefix_sharing.vision`
+    _virtual_tokens_refused = None  # prompt tuning, P-tuning and prefix tuning: `virtual.py`
     _token_weighted_metrics = {
         "entropy": "all",
         "logits/chosen": "chosen",

@@ -28,6 +28,7 @@ import torch
 
 from .layout import Layout, gather_to_stock, shared_labels
 from .patching import is_patched, patch_of, patch_own, put_back_own
+from .virtual import CACHES, virtual_inputs
 from .vision import substitute as substitute_vision_inputs
 
 
@@ -43,9 +44,6 @@ __all__ = [
 ]
 
 _ORIGINAL = "_prefix_sharing_original_forward"
-#: a model's cache argument under either of its names (transformers 5.24 renamed `past_key_values` to `cache`): the
-#: shared rows are computed whole, never from a cache
-_CACHES = ("past_key_values", "cache")
 _PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 #: what accelerate's `prepare_model` keeps on a model whose forward it wrapped in autocast (native mixed precision)
 _ACCELERATE_UNWRAPPED_FORWARD = "_original_forward"
@@ -83,12 +81,14 @@ def stock_logits_dtype(model) -> torch.dtype:
     return weight.dtype if weight.is_floating_point() else torch.float32
 
 
-def check_layout_matches(layout: Layout, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+def check_layout_matches(layout: Layout, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
     """Refuse a layout that does not hold exactly the stock batch's tokens (e.g. a collator that changed the batch).
     The shapes always; the tokens and the padding when the layout asks for checks (`layout.check`, see
-    `prefix_sharing_checks`: comparing them reads back from the device)."""
+    `prefix_sharing_checks`: comparing them reads back from the device). Without `input_ids` (PEFT's virtual
+    embeddings, which carry the tokens as embeddings), the shape and the padding of `attention_mask`."""
     index = layout.stock_index
-    if index.shape != input_ids.shape:
+    stock = input_ids if input_ids is not None else attention_mask
+    if stock is None or index.shape != stock.shape:
         raise RuntimeError(
             "Prefix-sharing layout does not match the stock batch (its shape differs). The layout must be built "
             "by PrefixSharingCollator from the same batch; a custom data collator has to emit right-padded "
@@ -105,16 +105,19 @@ def check_layout_matches(layout: Layout, input_ids: torch.Tensor, attention_mask
             "by PrefixSharingCollator from the same batch; a custom data collator has to emit right-padded "
             "`input_ids`/`attention_mask` and let PrefixSharingCollator wrap it."
         )
-    if not torch.equal(layout.input_ids.reshape(-1)[index[real]], input_ids[real]):
+    if input_ids is not None and not torch.equal(layout.input_ids.reshape(-1)[index[real]], input_ids[real]):
         raise RuntimeError("Prefix-sharing layout does not hold the stock batch's tokens.")
 
 
 def _take_stock_inputs(kwargs: dict, layout: Layout, replaced: tuple[str, ...]):
-    """The start of every shared call: refuse the inputs the layout replaces (`replaced`), take the stock
-    `input_ids` and `attention_mask` out of `kwargs` and check the layout against them. Returns those two, what the
-    attention backend adds to the model call (its mask, or the varlen kernel's segments) and the shared rows'
+    """The start of every shared call: the layout the call runs (for PEFT's call with its virtual tokens,
+    `layout.virtual`'s rows: `virtual.virtual_inputs`), the inputs the layout replaces refused (`replaced`), the
+    stock `input_ids` and `attention_mask` taken out of `kwargs` and the layout checked against them. Returns that
+    layout, the stock attention mask of its rows, and the model inputs of the shared rows: their tokens (or
+    embeddings, and a cache), what the attention backend adds (its mask, or the varlen kernel's segments) and their
     position ids (a vision batch's inputs in `kwargs` swapped for the shared rows': images once per pair, M-RoPE
     rows)."""
+    layout, inputs, virtual_columns = virtual_inputs(kwargs, layout)
     for name in replaced:
         if kwargs.get(name) is not None:
             raise ValueError(f"Prefix sharing builds its own inputs; `{name}` cannot be passed alongside the layout.")
@@ -123,13 +126,14 @@ def _take_stock_inputs(kwargs: dict, layout: Layout, replaced: tuple[str, ...]):
             "The prefix-sharing attention inputs were not built for this batch. Call the model through the trainer "
             "(it builds them once per step, shared by the policy and reference passes)."
         )
-    attention = layout.attention.model_kwargs()
-    position_ids = substitute_vision_inputs(kwargs, layout)
-    input_ids = kwargs.pop("input_ids")
+    inputs.update(layout.attention.model_kwargs(), position_ids=substitute_vision_inputs(kwargs, layout))
+    input_ids = kwargs.pop("input_ids", None)
     stock_attention_mask = kwargs.pop("attention_mask", None)
+    if stock_attention_mask is not None:
+        stock_attention_mask = stock_attention_mask[:, virtual_columns:]  # prefix tuning's keys: not in the layout
     check_layout_matches(layout, input_ids, stock_attention_mask)
     kwargs.pop("use_cache", None)  # the shared calls never cache
-    return input_ids, stock_attention_mask, attention, position_ids
+    return layout, stock_attention_mask, inputs
 
 
 def _shared_forward(original_forward, kwargs: dict, layout: Layout):
@@ -138,8 +142,8 @@ def _shared_forward(original_forward, kwargs: dict, layout: Layout):
     # stock `shift_labels` (a label for every column, the last included) or `labels` (shifted here, as stock shifts)
     shift_labels = kwargs.pop("shift_labels", None)
     labels = kwargs.pop("labels", None)
-    input_ids, stock_attention_mask, attention, position_ids = _take_stock_inputs(
-        kwargs, layout, ("inputs_embeds", "position_ids", *_CACHES)
+    layout, stock_attention_mask, inputs = _take_stock_inputs(
+        kwargs, layout, ("inputs_embeds", "position_ids", *CACHES)
     )
     if (labels is None) == (shift_labels is None):
         raise ValueError("The prefix-shared fused forward needs `labels` or `shift_labels` (one of them).")
@@ -157,9 +161,7 @@ def _shared_forward(original_forward, kwargs: dict, layout: Layout):
     hooks = [] if router_logits is None else _capture_router_logits(model.base_model, router_logits)
     try:
         outputs = original_forward(
-            input_ids=layout.input_ids,
-            **attention,
-            position_ids=position_ids,
+            **inputs,
             shift_labels=shared_labels(layout, stock_labels, check=layout.check, shifted=shifted),
             **({"output_router_logits": False} if moe else {}),
             **kwargs,
@@ -189,8 +191,8 @@ def _shared_logits_forward(original_forward, kwargs: dict, layout: Layout):
     `logits_to_keep` stock columns (all of them when 0), as the stock call would return them. Only the logits."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    _, _, attention, position_ids = _take_stock_inputs(
-        kwargs, layout, ("inputs_embeds", "position_ids", "labels", "shift_labels", *_CACHES)
+    layout, _, inputs = _take_stock_inputs(
+        kwargs, layout, ("inputs_embeds", "position_ids", "labels", "shift_labels", *CACHES)
     )
     keep = kwargs.pop("logits_to_keep", 0)
     kwargs.pop("fused_lm_head", None)
@@ -198,9 +200,7 @@ def _shared_logits_forward(original_forward, kwargs: dict, layout: Layout):
         raise ValueError("The prefix-shared forward keeps the last `logits_to_keep` stock columns: give an int.")
     if hasattr(original_forward.__self__.config.get_text_config(), "output_router_logits"):
         kwargs["output_router_logits"] = False  # MoE: the auxiliary loss is not returned here (it needs stock's rows)
-    logits = original_forward(
-        input_ids=layout.input_ids, **attention, position_ids=position_ids, use_cache=False, **kwargs
-    ).logits
+    logits = original_forward(**inputs, use_cache=False, **kwargs).logits
     index = layout.stock_index[:, -keep:]
     return CausalLMOutputWithPast(logits=gather_to_stock(logits, index, index >= 0))
 
@@ -239,17 +239,10 @@ def _shared_classification_forward(model, kwargs: dict, layout: Layout):
     transformers reads it, i.e. at the rightmost token of each stock row that is not `pad_token_id`."""
     from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
-    input_ids, _, attention, position_ids = _take_stock_inputs(
-        kwargs, layout, ("inputs_embeds", "position_ids", "labels", *_CACHES)
-    )
+    input_ids = kwargs.get("input_ids")
+    layout, _, inputs = _take_stock_inputs(kwargs, layout, ("inputs_embeds", "position_ids", "labels", *CACHES))
     kwargs.pop("margin", None)  # TRL's reward trainer hands the whole batch to the model
-    hidden = getattr(model, model.base_model_prefix)(
-        input_ids=layout.input_ids,
-        **attention,
-        position_ids=position_ids,
-        use_cache=False,
-        **kwargs,
-    ).last_hidden_state
+    hidden = getattr(model, model.base_model_prefix)(**inputs, use_cache=False, **kwargs).last_hidden_state
     pad_token_id = model.config.get_text_config().pad_token_id
     if pad_token_id is None:
         raise ValueError("Sequence classification needs `pad_token_id` in the model config to find the last token.")

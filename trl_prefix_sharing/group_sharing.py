@@ -29,6 +29,7 @@ import torch
 from .sharing import PrefixSharingMixin
 from .trie import _COMPARE_CHUNK, pairwise_common_prefix
 from .trl_internals import replaced_function
+from .virtual import GENERATED_ROWS
 from .vision import vision_inputs_in
 
 
@@ -117,6 +118,8 @@ class _SharedRowsModel:
 
 class GroupSharingTrainerMixin(PrefixSharingMixin):
     """Placed before TRL's `GRPOTrainer` or `RLOOTrainer`; see the module docstring."""
+
+    _virtual_tokens_refused = GENERATED_ROWS
 
     def __init__(
         self,

@@ -46,6 +46,7 @@ from .trie import LayoutPlan, StockRows, plan_layouts, plan_shape, plan_sizes
 
 if TYPE_CHECKING:
     from .attention import AttentionInputs
+    from .virtual import VirtualRows
 
 
 __all__ = [
@@ -91,6 +92,8 @@ class Layout:
         macs: the multiply-adds of a forward over these rows under `kernel`'s cost model (`cost.StepCost`), where
             `"auto"` chose them by measured costs (their training step is timed against it: `tuning.Tuning.tick`),
             else None.
+        virtual: for a policy with prompt-learning PEFT, these rows with its virtual tokens before them, as the
+            session lays them out once per layout (`virtual.VirtualRows`), or None.
     """
 
     input_ids: torch.Tensor
@@ -106,6 +109,7 @@ class Layout:
     segments: tuple[Segments, ...] | None = None
     kernel: str | None = None
     macs: float | None = None
+    virtual: VirtualRows | None = None
 
     @property
     def is_stock(self) -> bool:

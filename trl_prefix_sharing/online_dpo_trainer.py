@@ -21,6 +21,7 @@ from trl.experimental.online_dpo import OnlineDPOTrainer as _TRLOnlineDPOTrainer
 from .config import _SHARING_DOC, PrefixSharingArguments
 from .forward import stock_logits_dtype
 from .sharing import PrefixSharingMixin
+from .virtual import GENERATED_ROWS
 
 
 __all__ = ["OnlineDPOConfig", "OnlineDPOTrainer"]
@@ -48,6 +49,7 @@ class OnlineDPOTrainer(PrefixSharingMixin, _TRLOnlineDPOTrainer):
 
     _config_class = OnlineDPOConfig
     _fuse_lm_head = True  # stock scores full logits; the shared rows go through TRL's fused log-prob head
+    _virtual_tokens_refused = GENERATED_ROWS
 
     def __init__(self, model, ref_model=None, reward_funcs=None, args=None, *more, **kwargs):
         """Exactly the arguments of TRL's experimental `OnlineDPOTrainer`."""

@@ -32,6 +32,7 @@ from .layout import Layout, RowPolicy, build_layout
 from .patching import is_patched, keep_own, mark_patched, put_back_own
 from .trie import StockRows
 from .tuning import Tuning
+from .virtual import VirtualTokens
 from .vision import has_vision_inputs, shared_vision_inputs
 
 
@@ -64,6 +65,7 @@ class PrefixSharingSession:
             in mixed precision (a reference model prepared in TRL's `__init__`) run inside it, as stock's calls do.
         join: `prefix_sharing_join` (`trie.JOINS`); `"auto"` chooses by `self.cost`, the policy's under the kernel.
         alternatives, stock_rows: other backends, and whether stock's own rows, `"auto"` chooses from (`tuning.py`).
+        virtual: the virtual tokens of the policy's prompt-learning PEFT adapter (`virtual.VirtualTokens`), or None.
     """
 
     def __init__(
@@ -78,8 +80,10 @@ class PrefixSharingSession:
         join: str = "prompts",
         alternatives: tuple[AttentionBackend, ...] = (),
         stock_rows: bool = False,
+        virtual: VirtualTokens | None = None,
     ):
         self.models = list(models)
+        self.virtual = virtual
         self.pad_token_id = pad_token_id(processing_class)
         self.backend = backend
         self.pad_to_multiple_of = pad_to_multiple_of
@@ -118,9 +122,17 @@ class PrefixSharingSession:
         forward checks it (built once per layout; the layout is returned)."""
         if layout.attention is None and not layout.is_stock:  # stock rows run the model's own call
             layout.check = self._checks_on(layout.input_ids)
-            backend = self.backend if layout.kernel is None else BACKENDS[layout.kernel]
-            layout.attention = backend.inputs(layout, self.models[0].config)
+            layout.attention = self._backend_of(layout).inputs(layout, self.models[0].config)
         return layout
+
+    def _backend_of(self, layout: Layout) -> AttentionBackend:
+        return self.backend if layout.kernel is None else BACKENDS[layout.kernel]
+
+    def layout_like(self, layout: Layout, stock: StockRows) -> Layout:
+        """The layout, with its attention inputs, of `stock` rows for the kernel `layout` was laid out for (PEFT's
+        virtual tokens before its rows: `virtual.with_virtual`). One host read."""
+        built = build_layout(stock, self._backend_of(layout).rows(self.pad_to_multiple_of), self.pad_token_id)
+        return self.with_attention(dataclasses.replace(built, kernel=layout.kernel, join=layout.join))
 
     def prepare(self, inputs: Mapping) -> Layout:
         """Complete the layout a collated batch carries (`inputs["prefix_sharing"]`) for the forward: its attention

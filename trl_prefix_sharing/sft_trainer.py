@@ -66,13 +66,15 @@ class SFTTrainer(CollatedSharingMixin, trl.SFTTrainer):
     Takes exactly the arguments of [`trl.SFTTrainer`]. With prefix sharing, the loss (`nll` and `dft`, with
     `completion_only_loss` and `assistant_only_loss`), the gradients and every logged metric (`entropy`,
     `mean_token_accuracy`, `num_tokens`) equal stock TRL's on the same micro-batches; `num_shared_tokens` counts the
-    positions really computed. TRL's `packing` and `padding_free` are refused with it (see `SFTConfig`).
+    positions really computed. PEFT's prompt tuning, P-tuning and prefix tuning too: their virtual tokens are computed
+    once per micro-batch (`virtual.py`). TRL's `packing` and `padding_free` are refused with it (see `SFTConfig`).
     """
 
     _config_class = SFTConfig
     _examples_of = staticmethod(sft_examples)
     _prompts_of = staticmethod(sft_prompt_lengths)
     _prompt_groups_of = staticmethod(sft_prompt_groups)
+    _virtual_tokens_refused = None  # prompt tuning, P-tuning and prefix tuning: `virtual.py`
 
     def __init__(self, model, *args, **kwargs):
         given = inspect.signature(trl.SFTTrainer.__init__).bind(self, model, *args, **kwargs).arguments

@@ -27,11 +27,11 @@ from .forward import unwrap_model
 from .model_check import StartupCheck
 from .session import PrefixSharingSession
 from .support import (
-    check_adapter,
     check_architecture,
     check_forward_in_place,
     check_model_and_processor,
     check_no_dropout,
+    check_prompt_learning,
 )
 from .trainers import guard_trainer_class, spec_of_class
 from .tuning import measure_session
@@ -43,6 +43,7 @@ from .validation import (
     dataset_sizes,
     needed_columns,
 )
+from .virtual import CACHE, VirtualTokens, prompt_learning_config
 from .vision import is_vision_config
 
 
@@ -204,6 +205,7 @@ def _check_arguments(trainer, model, args, processing_class, peft_config, datase
         )
     trust_remote_code = getattr(args, "trust_remote_code", False)
     check_model_and_processor(name, model, processing_class, peft_config, trust_remote_code, trainer._supports_vision)
+    check_prompt_learning(name, prompt_learning_config(model, peft_config), trainer._virtual_tokens_refused, args)
     check = check_prompt_column if trainer.prefix_sharing else check_not_empty  # both refuse an empty dataset
     needed = needed_columns(spec_of_class(type(trainer)).columns, args, getattr(trainer, "_formats_rows", False))
     for split, dataset in datasets.items():
@@ -213,26 +215,32 @@ def _check_arguments(trainer, model, args, processing_class, peft_config, datase
     return dataset_sizes(datasets)
 
 
-def _checked_models(trainer) -> list:
+def _checked_models(trainer) -> tuple[list, VirtualTokens | None]:
     """The models the layouts run (the policy, and a reference model where the trainer holds one), unwrapped, after
-    the checks that need the model as TRL prepared it (an adapter, dropout, the architecture)."""
+    the checks that need the model as TRL prepared it (dropout, the architecture), and the virtual tokens of the
+    policy's prompt-learning adapter, if it has one (read on its PEFT wrapper, `support.check_prompt_learning`)."""
     models = [unwrap_model(trainer.model)]
     if getattr(trainer, "ref_model", None) is not None:
         models.append(unwrap_model(trainer.ref_model))
-    check_adapter(models[0])
+    config = prompt_learning_config(trainer.model)
+    name = type(trainer).__name__
+    virtual = check_prompt_learning(name, config, trainer._virtual_tokens_refused, trainer.args, models[0].config)
     check_no_dropout(models[0])
-    return models
+    return models, virtual
 
 
-def _new_session(trainer, models) -> PrefixSharingSession:
+def _new_session(trainer, models, virtual: VirtualTokens | None = None) -> PrefixSharingSession:
     """The trainer's session: its models on the kernel the config asks for (`"auto"`: chosen here, and measured per
-    micro-batch against the other candidates, `tuning.py`)."""
+    micro-batch against the other candidates, `tuning.py`); prefix tuning's virtual keys and values (`virtual`) on a
+    dense mask only."""
     args = trainer.args
     requested = args.prefix_sharing_attn_implementation
+    dense_only = virtual is not None and virtual.kind == CACHE
     dtype = attention_dtype(models[0], trainer.accelerator.mixed_precision)
-    backend = choose_backend(models, requested, trainer.accelerator.device, dtype)
+    backend = choose_backend(models, "sdpa" if dense_only else requested, trainer.accelerator.device, dtype)
     join = getattr(args, "prefix_sharing_join", "prompts")
     alternatives, stock_rows = _measured_candidates(trainer, models, requested, join, dtype)
+    alternatives = tuple(b for b in alternatives if b.dense or not dense_only)
     return PrefixSharingSession(
         models,
         trainer.processing_class,
@@ -244,6 +252,7 @@ def _new_session(trainer, models) -> PrefixSharingSession:
         join=join,
         alternatives=alternatives,
         stock_rows=stock_rows,
+        virtual=virtual,
     )
 
 
@@ -266,6 +275,10 @@ class PrefixSharingMixin:
     _supports_vision = False
     #: whether the models get TRL's fused log-prob head from this package (trainers that score full logits in stock)
     _fuse_lm_head = False
+    #: why the trainer does not lay out the virtual tokens of prompt-learning PEFT (`virtual.py`), None where it does
+    _virtual_tokens_refused: str | None = (
+        "its shared forward does not lay out PEFT's virtual tokens (prefix sharing does for SFTTrainer and DPOTrainer)"
+    )
 
     def __init_subclass__(cls, **kwargs):
         """A class over a TRL trainer is checked, when it is created, against the TRL internals its entry in the table
@@ -311,11 +324,11 @@ class PrefixSharingMixin:
         preference trainers the collator. Idempotent."""
         if self.sharing_session is not None or not self._uses_layout:
             return
-        models = _checked_models(self)
+        models, virtual = _checked_models(self)
         name = type(self).__name__
         reasons = [check_architecture(model.config, name, self._supports_vision) for model in models]
         self.model_check = StartupCheck(models, reasons, getattr(self.args, "prefix_sharing_model_check", "auto"))
-        self.sharing_session = _new_session(self, models)
+        self.sharing_session = _new_session(self, models, virtual)
         self._setup_collator()
         self.add_callback(_ForwardInPlace(self))
         if self.prefix_sharing and self._resumes_shared_positions:

@@ -1,6 +1,6 @@
-"""What prefix sharing supports, checked before anything trains: the model's path, the processor, the PEFT kind, the
-architecture, dropout, and, at the start of training, that the shared forward is still in place. Each refusal names
-its cause and the way out."""
+"""What prefix sharing supports, checked before anything trains: the model's path, the processor, the PEFT kind (which
+prompt-learning methods, with which trainers and options), the architecture, dropout, and, at the start of training,
+that the shared forward is still in place. Each refusal names its cause and the way out."""
 
 from __future__ import annotations
 
@@ -9,15 +9,16 @@ from pathlib import Path
 import torch
 from transformers.utils import logging
 
-from .architectures import VISION, check_supported_model, refusal, refused_reason
+from .architectures import VISION, check_supported_model, refusal, refused_reason, window_layout
 from .forward import has_prefix_sharing_forward
+from .virtual import CACHE, LAID_OUT, VirtualTokens, peft_type
 from .vision import check_supported_vision_model, is_vision_config
 
 
 __all__ = [
     "active_dropout",
     "check_no_dropout",
-    "check_adapter",
+    "check_prompt_learning",
     "check_architecture",
     "check_forward_in_place",
     "check_local_model_path",
@@ -31,20 +32,14 @@ logger = logging.get_logger(__name__)
 def check_model_and_processor(
     trainer_name: str, model, processing_class, peft_config, trust_remote_code: bool, supports_vision: bool
 ) -> None:
-    """The checks before TRL builds anything: processor, PEFT kind, the path of a model given by name, and
-    architecture (a clear error, never a silently wrong number)."""
+    """The checks before TRL builds anything: processor, the path of a model given by name, and architecture (a clear
+    error, never a silently wrong number). The PEFT kind: `check_prompt_learning`."""
     from transformers import ProcessorMixin
 
     if isinstance(processing_class, ProcessorMixin) and not supports_vision:
         raise ValueError(
             f"{trainer_name} with prefix sharing does not lay out images (a processor was passed): prefix sharing "
             "covers vision-language models in DPOTrainer only. Train this one with `prefix_sharing=False`."
-        )
-    if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
-        raise ValueError(
-            f"Prefix sharing does not support prompt-learning PEFT ({type(peft_config).__name__}): its virtual "
-            "tokens are prepended to every row and would be shared differently. Use LoRA-style adapters or "
-            "`prefix_sharing=False`."
         )
     if isinstance(model, str):
         from transformers import AutoConfig
@@ -155,8 +150,66 @@ def check_no_dropout(model) -> None:
         )
 
 
-def check_adapter(model) -> None:
-    """Refuse a model that already carries a prompt-learning PEFT adapter (its virtual tokens are prepended to every
-    row, so they would be shared differently)."""
-    if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False):
-        raise ValueError("Prefix sharing does not support prompt-learning PEFT adapters.")
+#: why prefix sharing refuses a prompt-learning method it does not lay out (`PeftType` names)
+_REFUSED_METHODS = {
+    "MULTITASK_PROMPT_TUNING": "its virtual tokens depend on each row's task id, so the rows share no one block",
+    "CPT": "its forward puts its own labels and token types around the virtual tokens, which the shared forward does "
+    "not lay out",
+}
+
+
+def check_prompt_learning(
+    trainer_name: str, config, refused: str | None, args, model_config=None
+) -> VirtualTokens | None:
+    """What prefix sharing lays out of a prompt-learning PEFT `config` (`virtual.prompt_learning_config`: the
+    `peft_config` given, or the active adapter of a PEFT model given as `model`), or a clear error naming the cause and
+    the way out: a trainer that does not lay them out (`refused`: why), a method other than prompt tuning, P-tuning
+    and prefix tuning, packing, and for prefix tuning (virtual keys and values, a cache) gradient checkpointing, a
+    kernel other than the dense mask and sliding windows. Before TRL builds anything, and again on the model TRL
+    prepared (with its config, `model_config`: vision-language models, sliding windows). None without such a config.
+    """
+    if config is None:
+        return None
+    what = f"prompt-learning PEFT ({type(config).__name__})"
+    way_out = "Use a LoRA-style adapter, or train with `prefix_sharing=False`."
+    method = peft_type(config)
+    if refused is not None:
+        raise ValueError(f"{trainer_name} with prefix sharing does not support {what}: {refused}. {way_out}")
+    if method not in LAID_OUT:
+        reason = _REFUSED_METHODS.get(method, "prefix sharing lays out prompt tuning, P-tuning and prefix tuning")
+        raise ValueError(f"Prefix sharing does not support {what}: {reason}. {way_out}")
+    if getattr(args, "packing", False):
+        raise ValueError(
+            f"Packing does not support {what}: its virtual tokens open every row, so the rows of a micro-batch join "
+            "one document behind them, which packed rows of a fixed length are not laid out for. Train with "
+            "`packing=False`."
+        )
+    if model_config is not None and is_vision_config(model_config):
+        raise ValueError(f"Prefix sharing does not lay out {what} on a vision-language model. {way_out}")
+    if LAID_OUT[method] == CACHE:
+        _check_prefix_tuning(args, model_config)
+    return VirtualTokens(LAID_OUT[method], config.num_virtual_tokens)
+
+
+def _check_prefix_tuning(args, model_config) -> None:
+    """Prefix tuning's virtual keys and values (a cache before every row): refused with gradient checkpointing, a
+    kernel other than the dense mask, and sliding windows."""
+    if getattr(args, "gradient_checkpointing", False):
+        raise ValueError(
+            "Prefix tuning gives its virtual tokens to the model as a key/value cache, which transformers drops under "
+            "gradient checkpointing (stock TRL fails on it too): set `gradient_checkpointing=False`."
+        )
+    kernel = getattr(args, "prefix_sharing_attn_implementation", "auto")
+    if kernel not in ("auto", "sdpa"):
+        raise ValueError(
+            f"Prefix tuning under prefix sharing runs on the dense mask: its virtual keys and values go before every "
+            f"shared row's keys, which the '{kernel}' kernel does not take. Set "
+            "`prefix_sharing_attn_implementation='sdpa'` (or 'auto', which then chooses between the dense mask and "
+            "stock's own rows)."
+        )
+    if model_config is not None and window_layout(model_config)[0] is not None:
+        raise ValueError(
+            "Prefix sharing does not lay out prefix tuning on a model with sliding-window attention: the window "
+            "would have to reach back into the virtual keys and values, which the mask in front of the shared rows "
+            "does not bound. Use prompt tuning or P-tuning, or train with `prefix_sharing=False`."
+        )

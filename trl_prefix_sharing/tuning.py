@@ -581,7 +581,8 @@ def measure_session(
         session.tuning.measure(run, layout_of, input_ids.shape[0], input_ids.device, compiles)
     if backward:
         return session.tuning.summary
-    return f"{session.tuning.summary}; the forward only (DeepSpeed's or FSDP's hooks own the backward)"
+    why = "DeepSpeed's or FSDP's hooks own the backward" if trained else "no parameter of the model itself trains"
+    return f"{session.tuning.summary}; the forward only ({why})"
 
 
 def _backward_dropped(value: torch.Tensor, parameters: list) -> None:
