@@ -224,16 +224,21 @@ def test_empty_prompt_is_exact_and_documented(tmp_path, tokenizer):
     compare_step(stock, shared)
 
 
-def test_prompt_learning_peft_is_a_clear_error(tmp_path, tokenizer):
+def test_prompt_learning_peft_is_a_clear_error_where_it_is_not_laid_out(tmp_path, tokenizer):
+    """Prompt tuning, P-tuning and prefix tuning are laid out for SFT and DPO (`test_prompt_learning.py`); the
+    reward trainer refuses them before anything is built, naming the cause and the way out."""
     from peft import PromptTuningConfig
 
-    with pytest.raises(ValueError, match="prompt-learning"):
-        DPOTrainer(
-            model=make_model("llama", len(tokenizer)),
-            args=dpo_args(tmp_path, True),
+    from trl_prefix_sharing import RewardTrainer
+    from trl_prefix_sharing.testing.equivalence import make_reward_model, reward_args
+
+    with pytest.raises(ValueError, match="RewardTrainer with prefix sharing does not support prompt-learning PEFT"):
+        RewardTrainer(
+            model=make_reward_model("llama", tokenizer),
+            args=reward_args(tmp_path, {"prefix_sharing": True}),
             train_dataset=awkward_text_dataset(),
             processing_class=tokenizer,
-            peft_config=PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2),
+            peft_config=PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=2),
         )
 
 
