@@ -64,6 +64,8 @@ class PrefixSharingSession:
             in mixed precision (a reference model prepared in TRL's `__init__`) run inside it, as stock's calls do.
         join: `prefix_sharing_join` (`trie.JOINS`); `"auto"` chooses by `self.cost`, the policy's under the kernel.
         alternatives, stock_rows: other backends, and whether stock's own rows, `"auto"` chooses from (`tuning.py`).
+        shift: generated rows share a start with prompts of other lengths, moved to the document's positions
+            (`StockRows.shift`; shift-invariant models only).
     """
 
     def __init__(
@@ -78,8 +80,10 @@ class PrefixSharingSession:
         join: str = "prompts",
         alternatives: tuple[AttentionBackend, ...] = (),
         stock_rows: bool = False,
+        shift: bool = False,
     ):
         self.models = list(models)
+        self.shift = shift
         self.pad_token_id = pad_token_id(processing_class)
         self.backend = backend
         self.pad_to_multiple_of = pad_to_multiple_of
@@ -156,7 +160,8 @@ class PrefixSharingSession:
         source: tuple[torch.Tensor, ...] | None = None,
     ) -> Layout:
         """The layout, with its attention inputs, of generated rows `[left-padded prompt | completion]` (the trie of
-        the rows: a prompt's generations, and duplicate prompts', computed once; `score_padding`: see `StockRows`).
+        the rows: a prompt's generations, and duplicate prompts', computed once; `score_padding`, and the session's
+        `shift`: see `StockRows`).
 
         Built once per set of rows: it is kept while the tensors the rows were read from live unchanged (`source`,
         default `input_ids` and `attention_mask`; views of one generation batch count as the same rows), so the
@@ -173,6 +178,7 @@ class PrefixSharingSession:
                     prompt_length,
                     score_padding=score_padding,
                     check=self._checks_on(input_ids),
+                    shift=self.shift,
                 ),
                 pad_token_id=self.pad_token_id,
                 join=self.join,
