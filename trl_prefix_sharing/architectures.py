@@ -34,6 +34,7 @@ __all__ = [
     "check_supported_model",
     "refused_reason",
     "refusal",
+    "moves_positions",
     "shift_invariant",
     "window_layout",
     "variant_configs",
@@ -427,6 +428,13 @@ def shift_invariant(config) -> str | None:
     if getattr(text_config, "alibi", False):
         return "its ALiBi biases are computed from places in the row"
     return None
+
+
+def moves_positions(join: str, configs) -> bool:
+    """Whether the layouts of generated rows (GRPO, RLOO, online DPO) share a start between prompts of other lengths,
+    moving a prompt's tokens to other positions (`trie.StockRows.shift`): under a join that shares what prompts start
+    with (`"always"`, `"auto"`), with every model's config (`configs`) shift-invariant (`shift_invariant`)."""
+    return join != "prompts" and all(shift_invariant(config) is None for config in configs)
 
 
 def _measured(entry: dict, variant: str) -> str:

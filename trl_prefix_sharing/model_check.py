@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import logging
 
-from .layout import build_layout
 from .trie import StockRows
 
 
@@ -338,8 +337,7 @@ def check_layout_fn(session, shifted: bool = False):
 
     def layout_fn(ids, mask, lengths, example_ids):
         if shifted:
-            stock = StockRows(ids, mask, prompt_lengths=lengths, shift=True)
-            return session.with_attention(build_layout(stock, session.rows, session.pad_token_id, join="always"))
+            return session.layout(StockRows(ids, mask, prompt_lengths=lengths, shift=True), join="always")
         return session.layout(StockRows(ids, mask, prompt_lengths=lengths, examples=example_ids))
 
     return layout_fn

@@ -142,13 +142,17 @@ class PrefixSharingSession:
             layout.vision = shared_vision_inputs(self.models[0], inputs, layout)
         return layout
 
-    def layout(self, stock: StockRows) -> Layout:
+    def layout(self, stock: StockRows, join: str | None = None) -> Layout:
         """The layout, with its attention inputs, of `stock` rows built in the training step (the trie of the rows),
         as `self.tuning` chooses; the session decides whether it checks them (`checks`). On the rows' device; one host
-        read."""
+        read. `join`: that join rule's plan on the session's own kernel, whatever `"auto"` would choose (the start-up
+        check's layout of rows whose start moves)."""
         self.attach()
         checked = dataclasses.replace(stock, check=self._checks_on(stock.input_ids))
-        layout = build_layout(checked, pad_token_id=self.pad_token_id, join=self.join, tuning=self.tuning)
+        if join is not None:
+            layout = build_layout(checked, self.rows, self.pad_token_id, join=join, cost=self.cost)
+        else:
+            layout = build_layout(checked, pad_token_id=self.pad_token_id, join=self.join, tuning=self.tuning)
         return self.with_attention(layout)
 
     def generated_layout(

@@ -19,7 +19,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
-from .architectures import shift_invariant
+from .architectures import moves_positions
 from .attention import attention_dtype, auto_backends, choose_backend
 from .collator import PrefixSharingCollator
 from .config import warn_if_not_our_config
@@ -238,9 +238,7 @@ def _shifts(trainer, models) -> bool:
     start with (`"always"`, `"auto"`), and models measured shift-invariant (`architectures.shift_invariant`)."""
     if not trainer.prefix_sharing or spec_of_class(type(trainer)).data != "prompts":
         return False
-    if getattr(trainer.args, "prefix_sharing_join", "prompts") == "prompts":
-        return False
-    return all(shift_invariant(model.config) is None for model in models)
+    return moves_positions(getattr(trainer.args, "prefix_sharing_join", "prompts"), [m.config for m in models])
 
 
 def _new_session(trainer, models, shift: bool = False) -> PrefixSharingSession:

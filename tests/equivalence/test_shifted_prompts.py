@@ -11,16 +11,14 @@ layout is stopped by the start-up check."""
 import random
 
 import pytest
-import torch
 from datasets import Dataset
 
 import trl_prefix_sharing.layout as layout_module
 import trl_prefix_sharing.sharing as sharing_module
 from trl_prefix_sharing.architectures import shift_invariant
-from trl_prefix_sharing.session import PrefixSharingSession
 from trl_prefix_sharing.testing import make_config, make_model
 from trl_prefix_sharing.testing.group_equivalence import assert_same_runs, make_group_trainer, save_model, train
-from trl_prefix_sharing.testing.shift import shift_check
+from trl_prefix_sharing.testing.shift import copies_of_the_common_start, record_layouts, shift_check
 
 
 SYSTEM = " ".join(f"w{i}" for i in range(100, 130))  # 30 words every prompt starts with
@@ -35,36 +33,6 @@ def any_length_prompts(n=8, seed=0) -> Dataset:
     return Dataset.from_list(
         [{"prompt": SYSTEM + " " + " ".join(f"w{rng.randrange(60)}" for _ in range(k))} for k in lengths]
     )
-
-
-def record_layouts(monkeypatch) -> list:
-    """Every generated layout a session builds, with its stock rows: `(input_ids, attention_mask, layout)`."""
-    seen = []
-    original = PrefixSharingSession.generated_layout
-
-    def generated_layout(self, input_ids, attention_mask, *args, **kwargs):
-        layout = original(self, input_ids, attention_mask, *args, **kwargs)
-        seen.append((input_ids, attention_mask, layout))
-        return layout
-
-    monkeypatch.setattr(PrefixSharingSession, "generated_layout", generated_layout)
-    return seen
-
-
-def copies_of_the_common_start(input_ids, attention_mask, layout) -> float:
-    """How many times the shared rows hold the start every stock row has in common (its tokens counted from each row's
-    first token, wherever its left padding puts it; its last token left out): 1 when computed once for the whole
-    micro-batch."""
-    starts = attention_mask.int().argmax(dim=1)
-    width = input_ids.shape[1]
-    columns = (starts[:, None] + torch.arange(width)).clamp(max=width - 1)
-    aligned = torch.where(torch.arange(width) < (width - starts)[:, None], input_ids.gather(1, columns), -1)
-    common = int((aligned == aligned[:1]).all(dim=0).int().cumprod(0).sum())
-    assert common >= 30, common  # the system prompt, at least
-    common -= 1  # its last token starts every branch again (see `layout.py`)
-    places = layout.stock_index.gather(1, columns[:, :common])
-    assert (places >= 0).all()
-    return places.unique().numel() / common
 
 
 @pytest.fixture(scope="module")
