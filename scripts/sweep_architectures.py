@@ -10,11 +10,17 @@ gradients), ``error`` (prefix sharing raised), ``stock fails`` (stock TRL itself
     PYTHONPATH=$PWD python scripts/sweep_architectures.py gemma2 phi3 --write # re-measure some, keep the rest
 
     PYTHONPATH=$PWD python scripts/sweep_architectures.py --varlen --write   # the varlen kernel (~15 min on 2 cores)
+    PYTHONPATH=$PWD python scripts/sweep_architectures.py --shift --write    # moved positions (~2 min on 2 cores)
 
 ``--varlen`` measures the supported families again with `prefix_sharing_attn_implementation="varlen"` (on the CPU
 its reference implementation: the same stream, gather and segments as the CUDA kernel), their default and sliding
 window variants, and records the variants equal there as each entry's ``varlen`` (what the varlen backend reads: a
 type not measured equal on it runs on another kernel); the rest of the registry is kept.
+
+``--shift`` measures whether each supported family gives stock's numbers when a left-padded prompt's tokens move to
+other positions (`trl_prefix_sharing/testing/shift.py`: the start-up check's shifted run, prompts of unequal lengths
+that start alike, float32), and records it as each entry's ``shift`` (what `architectures.shift_invariant` reads: GRPO,
+RLOO and online DPO then share a start across prompts of any length) with the measured difference.
 
 ``--write`` updates trl_prefix_sharing/data/architectures.json (what `check_supported_model` reads) and the generated
 section of docs/architectures.md; ``--docs-only`` measures nothing, re-applies the reasons of `REFUSED` to the
@@ -217,6 +223,14 @@ def _varlen_note(entry: dict) -> str:
     )
 
 
+def _shift_note(entry: dict) -> str:
+    """Whether a left-padded prompt's tokens may move (`--shift`): GRPO, RLOO and online DPO then share a start across
+    prompts of any length."""
+    if "shift" not in entry:
+        return "not measured"
+    return "equal" if entry["shift"] else "differ (" + entry["shift_measured"].split(" in ")[0] + ")"
+
+
 def docs_table(registry: dict) -> str:
     """The generated section of docs/architectures.md: the supported model types with their measured options, then
     the refused ones grouped by reason."""
@@ -235,8 +249,8 @@ def docs_table(registry: dict) -> str:
     lines = [
         BEGIN,
         "",
-        "| Model type | Sliding window | Router aux loss (MoE) | Reward head | Attention |",
-        "|---|---|---|---|---|",
+        "| Model type | Sliding window | Router aux loss (MoE) | Reward head | Attention | Moved positions |",
+        "|---|---|---|---|---|---|",
     ]
     for family, entry in sorted(registry["supported"].items()):
         config = make_config(family, 8)
@@ -244,7 +258,7 @@ def docs_table(registry: dict) -> str:
         lines.append(
             f"| `{family}` | {option(entry, config, 'sliding_window')} | "
             f"{option(entry, config, 'router_aux_loss')} | {'yes' if entry['reward'] else 'none in transformers'} "
-            f"| {attention} |"
+            f"| {attention} | {_shift_note(entry)} |"
         )
     lines += ["", "Refused (the error names the reason):", "", "| Model types | Reason |", "|---|---|"]
     by_reason = {}
@@ -279,6 +293,11 @@ def main() -> None:
         help="measure the supported families (or those given) on the varlen kernel; record the variants equal there",
     )
     parser.add_argument(
+        "--shift",
+        action="store_true",
+        help="measure the supported families (or those given) with a prompt's tokens at moved positions",
+    )
+    parser.add_argument(
         "--docs-only",
         action="store_true",
         help="measure nothing: re-apply the reasons of `REFUSED` and regenerate the table of docs/architectures.md",
@@ -308,6 +327,9 @@ def main() -> None:
     if args.varlen:
         _measure_varlen(args, registry, tokenizer, dataset)
         return
+    if args.shift:
+        _measure_shift(args, registry, tokenizer)
+        return
     for family in families:
         start = time.time()
         if family in REFUSED and not args.measure_refused:
@@ -317,7 +339,8 @@ def main() -> None:
         status, entry = summarise(family, results, tokenizer)
         previous = registry["supported"].get(family, {})
         if status == "supported":  # the varlen measurement is its own pass (`--varlen`): kept
-            entry.update({key: previous[key] for key in ("varlen", "varlen_failed") if key in previous})
+            kept = ("varlen", "varlen_failed", "shift", "shift_measured")
+            entry.update({key: previous[key] for key in kept if key in previous})
         for table in ("supported", "refused"):
             registry[table].pop(family, None)
         registry[status][family] = entry
@@ -360,6 +383,52 @@ def _measure_varlen(args, registry: dict, tokenizer, dataset) -> None:
         if args.write:
             _write_registry(registry, args.registry)
         print(json.dumps({"family": family, "varlen": equal, "seconds": round(time.time() - start, 1)}), flush=True)
+    if args.write:
+        _write_docs(_write_registry(registry, args.registry))
+
+
+def _measure_shift(args, registry: dict, tokenizer) -> None:
+    """`--shift`: each supported family's default tiny model with a left-padded prompt's tokens at moved positions;
+    `shift` true where the start-up check's tolerance holds, with the measured difference as `shift_measured`."""
+    from trl_prefix_sharing.testing import equivalence as eq
+    from trl_prefix_sharing.testing import make_model
+    from trl_prefix_sharing.testing.shift import shift_check
+
+    for family in args.families or list(registry["supported"]):
+        entry = registry["supported"].get(family)
+        if entry is None:
+            print(json.dumps({"family": family, "status": "not supported: not measured"}), flush=True)
+            continue
+        start = time.time()
+        signal.alarm(args.timeout)
+        try:
+            result = shift_check(make_model(family, len(tokenizer), **eq.family_config_kwargs(family)), tokenizer)
+            error = result.error
+        except _Timeout:
+            result, error = None, f"over {args.timeout} s"
+        except Exception as exc:  # noqa: BLE001 - recorded
+            result, error = None, _short(exc)
+        finally:
+            signal.alarm(0)
+        entry["shift"] = error is None and result.passed
+        entry["shift_measured"] = (
+            f"error: {error}"
+            if error
+            else f"largest log-prob difference {result.difference:.2g} in float32, tolerance {result.tolerance:.2g}"
+        )
+        if args.write:
+            _write_registry(registry, args.registry)
+        print(
+            json.dumps(
+                {
+                    "family": family,
+                    "shift": entry["shift"],
+                    "measured": entry["shift_measured"],
+                    "seconds": round(time.time() - start, 1),
+                }
+            ),
+            flush=True,
+        )
     if args.write:
         _write_docs(_write_registry(registry, args.registry))
 

@@ -34,6 +34,8 @@ __all__ = [
     "check_supported_model",
     "refused_reason",
     "refusal",
+    "moves_positions",
+    "shift_invariant",
     "window_layout",
     "variant_configs",
     "varlen_unmeasured",
@@ -388,6 +390,51 @@ def varlen_unmeasured(config) -> str | None:
         how = " with a sliding window" if windowed else ""
         return f"'{model_type}'{how} is not measured equal to stock on the varlen kernel (docs/architectures.md)"
     return None
+
+
+#: rotary scalings whose frequencies depend on the longest position of the call (dynamic NTK, LongRoPE): a row moved
+#: to other positions can get other frequencies than stock's row
+_POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _rope_types(config) -> set[str]:
+    """The rotary scaling types of a (text) config, over its layer types where it has one set per type."""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    per_type = parameters and all(isinstance(value, dict) for value in parameters.values())
+    groups = parameters.values() if per_type else [parameters]
+    return {group.get("rope_type", group.get("type", "default")) for group in groups if isinstance(group, dict)}
+
+
+def shift_invariant(config) -> str | None:
+    """Why this model's numbers could change when a row's tokens all move to other positions by the same amount, or
+    None where they cannot (`trie.StockRows.shift`: a prompt's start shared with prompts of other lengths, which stock
+    TRL's left padding puts at other positions).
+
+    Measured per model type, like the rest of the registry (`scripts/sweep_architectures.py --shift`: left-padded
+    prompts of unequal lengths that start alike, stock rows against the shifted layout; equal within the start-up
+    check's float32 tolerance): rotary positions, whose attention reads only the distance between two positions,
+    pass; learned or sinusoidal absolute positions differ. Per config: a rotary scaling whose frequencies depend on
+    the longest position (`dynamic`, `longrope`) is not shift-invariant whatever its type measured."""
+    text_config = _text_config(config)
+    model_type = getattr(text_config, "model_type", None)
+    entry = registry()["supported"].get(model_type)
+    if entry is None or "shift" not in entry:
+        return f"the model type '{model_type}' is not measured under moved positions"
+    if not entry["shift"]:
+        return f"'{model_type}' gives other numbers at other positions ({entry.get('shift_measured', 'measured')})"
+    scaled = sorted(_rope_types(text_config) & set(_POSITION_DEPENDENT_ROPE))
+    if scaled:
+        return f"its rotary scaling ('{scaled[0]}') depends on the longest position of each call"
+    if getattr(text_config, "alibi", False):
+        return "its ALiBi biases are computed from places in the row"
+    return None
+
+
+def moves_positions(join: str, configs) -> bool:
+    """Whether the layouts of generated rows (GRPO, RLOO, online DPO) share a start between prompts of other lengths,
+    moving a prompt's tokens to other positions (`trie.StockRows.shift`): under a join that shares what prompts start
+    with (`"always"`, `"auto"`), with every model's config (`configs`) shift-invariant (`shift_invariant`)."""
+    return join != "prompts" and all(shift_invariant(config) is None for config in configs)
 
 
 def _measured(entry: dict, variant: str) -> str:

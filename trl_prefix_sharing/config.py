@@ -39,9 +39,12 @@ _SHARING_DOC = """
         query-key pair of a longer row; FlexAttention only for the visible ones); with
         `prefix_sharing_attn_implementation="auto"` too, stock's own rows are a candidate as well, so a micro-batch
         that sharing would slow down runs as stock TRL runs it. Every mode computes stock's numbers.
-        A shared start counts only where stock puts it at the same positions: right-padded rows (DPO, reward, KTO,
-        ORPO, CPO) start at position 0; left-padded generated rows (GRPO, RLOO, online DPO) share a start with prompts
-        of the same padded length only.
+        Right-padded rows (DPO, reward, KTO, ORPO, CPO, SFT) start at position 0, so any common start is shared.
+        Left-padded generated rows (GRPO, RLOO, online DPO) share a start across prompts of any length on models
+        whose positions are rotary (measured per model type; a shorter prompt's tokens move to the positions of the
+        longer one's, which leaves every distance between them as stock has it); on models with absolute positions,
+        or rotary scaling that depends on the longest position (`dynamic`, `longrope`), only between prompts of the
+        same length.
     prefix_sharing_checks (`bool` or `None`, *optional*, defaults to `None`):
         Verify each shared batch against the stock rows in the forward (its tokens, padding and labels). Each check
         reads a comparison back from the device, so on an accelerator it waits for the device (a host sync per

@@ -297,22 +297,23 @@ def assemble_layout(
     in_row_start = document_base[plan.document] + plan.offset
     row_start = document_row[plan.document] * width + in_row_start  # flat
     columns = torch.arange(stock_width, device=device)
+    sorted_index = torch.arange(num_stock, device=device)
+    # by depth in the row: the sorted row whose new tokens hold (row, depth), the last row so far that adds that depth
+    # (rows that share a path share it depth by depth, wherever their tokens start: `StockRows.shift`)
+    adds = columns[None, :] >= plan.first_new[:, None]  # [R, depth]
+    owner = torch.where(adds, sorted_index[:, None], -1).cummax(dim=0).values.clamp(min=0)
+    by_depth = row_start[owner] + columns[None, :] - plan.first_new[owner]  # [R, depth] flat place
     depth = columns[None, :] - plan.starts[:, None]  # [R, L] depth of each stock column in its sorted row
     laid = (depth >= 0) & (depth < plan.lengths[:, None])
     new = laid & (depth >= plan.first_new[:, None])
-    sorted_index = torch.arange(num_stock, device=device)
-    # the sorted row whose new tokens hold (row, depth): the last row so far that adds that depth
-    owner = torch.where(depth >= plan.first_new[:, None], sorted_index[:, None], -1).cummax(dim=0).values
-    owner = owner.clamp(min=0)
-    flat = row_start[owner] + depth - plan.first_new[owner]  # [R, L] flat place of every laid column
-    flat = torch.where(laid, flat, -1)
+    flat = torch.where(laid, by_depth.gather(1, depth.clamp(0, max(stock_width - 1, 0))), -1)  # [R, L] per column
 
     size = num_rows * width
     targets = flat[new]
     out_ids = torch.full((size,), pad_token_id, dtype=torch.long, device=device)
     out_ids[targets] = plan.input_ids[new]
     out_pos = torch.zeros(size, dtype=torch.long, device=device)
-    out_pos[targets] = columns.expand_as(new)[new]
+    out_pos[targets] = _positions(plan, columns, depth)[new]
     out_doc = torch.full((size,), -1, dtype=torch.long, device=device)
     out_doc[targets] = document_slot[plan.document].unsqueeze(1).expand_as(new)[new]
     in_row = torch.arange(size, device=device) % width
@@ -335,6 +336,17 @@ def assemble_layout(
         key_visible=key_visible,
         segments=_segments(plan, flat, depth, laid, num_rows) if segments else None,
     )
+
+
+def _positions(plan: LayoutPlan, columns: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """`[R, L]`: the position id of every stock column of every sorted row: its column (what the model gives it in the
+    stock row), or with `shift` its depth after the first column of its document's earliest row (the same for a
+    row that starts there; moved by the same amount for every token of a row that starts later)."""
+    if not plan.shift:
+        return columns.expand_as(depth)
+    first = torch.full_like(plan.document_lengths, torch.iinfo(torch.long).max)
+    first = first.scatter_reduce(0, plan.document, plan.starts, reduce="amin")  # each document's earliest start
+    return first[plan.document][:, None] + depth
 
 
 def _segments(plan: LayoutPlan, flat: torch.Tensor, depth: torch.Tensor, laid: torch.Tensor, num_rows: int):

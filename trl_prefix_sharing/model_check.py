@@ -36,6 +36,8 @@ from .trie import StockRows
 __all__ = [
     "MODES",
     "TOLERANCE",
+    "check_layout_fn",
+    "unequal_prompts",
     "SPREAD_FACTOR",
     "ModelCheckResult",
     "StartupCheck",
@@ -170,19 +172,32 @@ def _stretch(examples, window: int | None, max_positions: int | None):
     return out
 
 
-def _tensors(examples, pad_token_id: int, device):
+def unequal_prompts(examples):
+    """The check's examples for a shifted layout (`StockRows.shift`): two prompts of unequal lengths that start
+    alike, the first prompt alone and followed by the second (or by its own first half), each with its completions.
+    Left-padded (`_tensors(left=True)`), the shorter prompt's common start sits at other columns than the longer
+    one's, and the shared layout moves it."""
+    (first, completions), *rest = examples
+    tail, others = rest[0] if rest else (first[: max(1, len(first) // 2)], completions)
+    return [(first, completions), (first + tail, others)]
+
+
+def _tensors(examples, pad_token_id: int, device, left: bool = False):
+    """The examples' rows `[prompt | completion]`, right-padded; `left`: as TRL's generated rows, each prompt
+    left-padded to the longest prompt, then its completion, right-padded."""
     rows, prompt_lengths, example_ids = [], [], []
     for number, (prompt, completions) in enumerate(examples):
         for completion in completions:
             rows.append(prompt + completion)
             prompt_lengths.append(len(prompt))
             example_ids.append(number)
-    width = max(len(row) for row in rows)
+    lead = [max(prompt_lengths) - length if left else 0 for length in prompt_lengths]
+    width = max(len(row) + pad for row, pad in zip(rows, lead, strict=True))
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        input_ids[i, : len(row)] = torch.tensor(row)
-        attention_mask[i, : len(row)] = 1
+    for i, (row, pad) in enumerate(zip(rows, lead, strict=True)):
+        input_ids[i, pad : pad + len(row)] = torch.tensor(row)
+        attention_mask[i, pad : pad + len(row)] = 1
     return (
         input_ids.to(device),
         attention_mask.to(device),
@@ -210,7 +225,7 @@ def _scores(model, kind: str, input_ids, attention_mask, layout=None):
         logits = model(input_ids=input_ids, attention_mask=attention_mask, **shared).logits.float()
         return logits, torch.ones_like(logits, dtype=torch.bool)
     labels = input_ids.masked_fill(attention_mask == 0, -100)
-    valid = labels[:, 1:] != -100
+    valid = (labels[:, 1:] != -100) & attention_mask[:, :-1].bool()  # a token predicted by a token (not padding)
     out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True, **shared)
     return out.log_probs.float(), valid
 
@@ -244,6 +259,7 @@ def run_model_check(
     pad_token_id: int,
     window: int | None = None,
     autocast=None,
+    shifted: bool = False,
 ) -> ModelCheckResult:
     """Run the start-up check on `model` (the unwrapped model, its shared forward installed).
 
@@ -254,13 +270,20 @@ def run_model_check(
         kind: `"fused"` (a causal LM with TRL's fused log-prob head) or `"classifier"` (a reward model).
         window: the model's sliding window (prompts are stretched to it).
         autocast: the trainer's `accelerator.autocast` (the check runs in the precision training runs in).
+        shifted: the rows are laid out as TRL's generated rows (left-padded, scored without position ids), with two
+            prompts of unequal lengths that start alike (`unequal_prompts`), for a layout that moves a shorter prompt's
+            start (`StockRows.shift`). The other stock layout still pads after the rows: its spread is the kernels'
+            noise, not what moved positions change (on a model with absolute positions stock's own numbers move with
+            its left padding, and the check must see that as a difference).
     """
     start = time.perf_counter()
     text_config = model.config.get_text_config()
     examples = _stretch(examples, window, getattr(text_config, "max_position_embeddings", None))
+    if shifted:
+        examples = unequal_prompts(examples)
     device = next(model.parameters()).device
-    input_ids, attention_mask, prompt_lengths, example_ids = _tensors(examples, pad_token_id, device)
-    extra = 8  # the other stock layout: rows reversed, 8 more padding columns
+    input_ids, attention_mask, prompt_lengths, example_ids = _tensors(examples, pad_token_id, device, left=shifted)
+    extra = 8  # the other stock layout: rows reversed, 8 more padding columns after them (no position moves)
     other_ids = torch.nn.functional.pad(input_ids.flip(0), (0, extra), value=pad_token_id)
     other_mask = torch.nn.functional.pad(attention_mask.flip(0), (0, extra), value=0)
     error, difference, spread, values = None, None, None, 0
@@ -307,6 +330,19 @@ def run_model_check(
     )
 
 
+def check_layout_fn(session, shifted: bool = False):
+    """The check's `layout_fn` (`run_model_check`): the rows' layout as the trainer's `session` builds it; `shifted`:
+    the layout that moves the shorter prompt's start (`StockRows.shift`, joined `"always"`), whatever `"auto"` would
+    choose for these few rows."""
+
+    def layout_fn(ids, mask, lengths, example_ids):
+        if shifted:
+            return session.layout(StockRows(ids, mask, prompt_lengths=lengths, shift=True), join="always")
+        return session.layout(StockRows(ids, mask, prompt_lengths=lengths, examples=example_ids))
+
+    return layout_fn
+
+
 class StartupCheck:
     """The start-up check as a phase of its own: the trainer runs it once, on the stock rows of its first batch,
     before it lays out anything (`run`); no layout call enters it.
@@ -315,9 +351,11 @@ class StartupCheck:
         models: the trainer's models (policy first), unwrapped.
         reasons: for each model, why the check must judge it (None: the registry measured its type equal).
         mode: `prefix_sharing_model_check`: `"auto"` judges the models with a reason, `"always"` every model.
+        shifted: the trainer's layouts move the start a prompt shares with prompts of other lengths
+            (`StockRows.shift`): the check runs such prompts, left-padded, against that layout (`run_model_check`).
     """
 
-    def __init__(self, models, reasons, mode: str = "auto"):
+    def __init__(self, models, reasons, mode: str = "auto", shifted: bool = False):
         from .vision import is_vision_config
 
         if mode == "always":
@@ -331,6 +369,7 @@ class StartupCheck:
         self.pending = [(model, reason) for model, reason in zip(models, reasons, strict=True) if reason]
         #: what the check measured (the policy's result when it checked several models)
         self.result: ModelCheckResult | None = None
+        self.shifted = shifted
 
     def run(self, session, input_ids, attention_mask, prompt_lengths=None, examples=None) -> None:
         """Judge the pending models on a few examples of these stock rows, once: each run as stock rows and as the
@@ -346,9 +385,7 @@ class StartupCheck:
         pending, self.pending = self.pending, []
         rows = examples_to_check(input_ids, attention_mask, prompt_lengths=prompt_lengths, examples=examples)
 
-        def layout_fn(ids, mask, lengths, example_ids):
-            return session.layout(StockRows(ids, mask, prompt_lengths=lengths, examples=example_ids))
-
+        layout_fn = check_layout_fn(session, self.shifted)
         session.attach()
         router, session.router = session.router, None  # the check's stock rows run as stock
         try:
@@ -356,7 +393,14 @@ class StartupCheck:
                 kind = "classifier" if _is_sequence_classifier(model) else "fused"
                 window = window_layout(model.config)[0]
                 result = run_model_check(
-                    model, rows, layout_fn, kind, session.pad_token_id, window=window, autocast=session.autocast
+                    model,
+                    rows,
+                    layout_fn,
+                    kind,
+                    session.pad_token_id,
+                    window=window,
+                    autocast=session.autocast,
+                    shifted=self.shifted,
                 )
                 self._judge(model, reason, result)
         finally:

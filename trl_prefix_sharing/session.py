@@ -66,6 +66,8 @@ class PrefixSharingSession:
         join: `prefix_sharing_join` (`trie.JOINS`); `"auto"` chooses by `self.cost`, the policy's under the kernel.
         alternatives, stock_rows: other backends, and whether stock's own rows, `"auto"` chooses from (`tuning.py`).
         virtual: the virtual tokens of the policy's prompt-learning PEFT adapter (`virtual.VirtualTokens`), or None.
+        shift: generated rows share a start with prompts of other lengths, moved to the document's positions
+            (`StockRows.shift`; shift-invariant models only).
     """
 
     def __init__(
@@ -81,9 +83,11 @@ class PrefixSharingSession:
         alternatives: tuple[AttentionBackend, ...] = (),
         stock_rows: bool = False,
         virtual: VirtualTokens | None = None,
+        shift: bool = False,
     ):
         self.models = list(models)
         self.virtual = virtual
+        self.shift = shift
         self.pad_token_id = pad_token_id(processing_class)
         self.backend = backend
         self.pad_to_multiple_of = pad_to_multiple_of
@@ -150,13 +154,17 @@ class PrefixSharingSession:
             layout.vision = shared_vision_inputs(self.models[0], inputs, layout)
         return layout
 
-    def layout(self, stock: StockRows) -> Layout:
+    def layout(self, stock: StockRows, join: str | None = None) -> Layout:
         """The layout, with its attention inputs, of `stock` rows built in the training step (the trie of the rows),
         as `self.tuning` chooses; the session decides whether it checks them (`checks`). On the rows' device; one host
-        read."""
+        read. `join`: that join rule's plan on the session's own kernel, whatever `"auto"` would choose (the start-up
+        check's layout of rows whose start moves)."""
         self.attach()
         checked = dataclasses.replace(stock, check=self._checks_on(stock.input_ids))
-        layout = build_layout(checked, pad_token_id=self.pad_token_id, join=self.join, tuning=self.tuning)
+        if join is not None:
+            layout = build_layout(checked, self.rows, self.pad_token_id, join=join, cost=self.cost)
+        else:
+            layout = build_layout(checked, pad_token_id=self.pad_token_id, join=self.join, tuning=self.tuning)
         return self.with_attention(layout)
 
     def generated_layout(
@@ -168,7 +176,8 @@ class PrefixSharingSession:
         source: tuple[torch.Tensor, ...] | None = None,
     ) -> Layout:
         """The layout, with its attention inputs, of generated rows `[left-padded prompt | completion]` (the trie of
-        the rows: a prompt's generations, and duplicate prompts', computed once; `score_padding`: see `StockRows`).
+        the rows: a prompt's generations, and duplicate prompts', computed once; `score_padding`, and the session's
+        `shift`: see `StockRows`).
 
         Built once per set of rows: it is kept while the tensors the rows were read from live unchanged (`source`,
         default `input_ids` and `attention_mask`; views of one generation batch count as the same rows), so the
@@ -185,6 +194,7 @@ class PrefixSharingSession:
                     prompt_length,
                     score_padding=score_padding,
                     check=self._checks_on(input_ids),
+                    shift=self.shift,
                 ),
                 pad_token_id=self.pad_token_id,
                 join=self.join,

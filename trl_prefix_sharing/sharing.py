@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
+from .architectures import moves_positions
 from .attention import attention_dtype, auto_backends, choose_backend
 from .collator import PrefixSharingCollator
 from .config import warn_if_not_our_config
@@ -229,7 +230,23 @@ def _checked_models(trainer) -> tuple[list, VirtualTokens | None]:
     return models, virtual
 
 
-def _new_session(trainer, models, virtual: VirtualTokens | None = None) -> PrefixSharingSession:
+#: why the start-up check judges a model whose layouts move a prompt's start (`_shifts`)
+SHIFTED = (
+    "prompts of other lengths share their start at moved positions (measured shift-invariant for this type; "
+    "checked on the model itself)"
+)
+
+
+def _shifts(trainer, models) -> bool:
+    """Whether the trainer's layouts share a start between prompts of other lengths (`trie.StockRows.shift`): rows
+    TRL generates (left-padded, so a shorter prompt's start sits at later positions), a join that shares what prompts
+    start with (`"always"`, `"auto"`), and models measured shift-invariant (`architectures.shift_invariant`)."""
+    if not trainer.prefix_sharing or spec_of_class(type(trainer)).data != "prompts":
+        return False
+    return moves_positions(getattr(trainer.args, "prefix_sharing_join", "prompts"), [m.config for m in models])
+
+
+def _new_session(trainer, models, virtual: VirtualTokens | None = None, shift: bool = False) -> PrefixSharingSession:
     """The trainer's session: its models on the kernel the config asks for (`"auto"`: chosen here, and measured per
     micro-batch against the other candidates, `tuning.py`); prefix tuning's virtual keys and values (`virtual`) on a
     dense mask only."""
@@ -253,6 +270,7 @@ def _new_session(trainer, models, virtual: VirtualTokens | None = None) -> Prefi
         alternatives=alternatives,
         stock_rows=stock_rows,
         virtual=virtual,
+        shift=shift,
     )
 
 
@@ -327,8 +345,12 @@ class PrefixSharingMixin:
         models, virtual = _checked_models(self)
         name = type(self).__name__
         reasons = [check_architecture(model.config, name, self._supports_vision) for model in models]
-        self.model_check = StartupCheck(models, reasons, getattr(self.args, "prefix_sharing_model_check", "auto"))
-        self.sharing_session = _new_session(self, models, virtual)
+        shift = _shifts(self, models)
+        if shift:  # the start-up check confirms it on the model itself
+            reasons = [reason or SHIFTED for reason in reasons]
+        mode = getattr(self.args, "prefix_sharing_model_check", "auto")
+        self.model_check = StartupCheck(models, reasons, mode, shifted=shift)
+        self.sharing_session = _new_session(self, models, virtual, shift)
         self._setup_collator()
         self.add_callback(_ForwardInPlace(self))
         if self.prefix_sharing and self._resumes_shared_positions:

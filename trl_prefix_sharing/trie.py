@@ -73,6 +73,7 @@ class LayoutPlan:
     input_ids: torch.Tensor  # [R, L] stock ids, sorted rows
     score_padding: bool
     join: str = "prompts"  # the join rule that made this plan
+    shift: bool = False  # rows share by token index, not column (`StockRows.shift`)
 
     @property
     def visible_pairs(self) -> torch.Tensor:
@@ -165,6 +166,12 @@ class StockRows:
         check: verify that each row's tokens are one run (a comparison on the rows' device, so a host sync there).
         root: the first `root` columns of every row are one block all rows share (PEFT's virtual tokens, the same in
             every row), so every row joins one document, whatever the join rule.
+        shift: rows share a common start wherever it sits in their columns (keys by token index, not by column), and
+            each document's positions count from its earliest row's first column: a row that starts later in its
+            stock columns (more left padding) is moved to the document's start. Only for shift-invariant models
+            (`architectures.shift_invariant`: rotary positions, whose attention reads only the distance between two
+            positions, which no row's tokens change), and only the `"always"` join uses it: under `"prompts"`, rows
+            join only with rows that start at the same column, as without it.
     """
 
     input_ids: torch.Tensor
@@ -176,17 +183,21 @@ class StockRows:
     score_padding: bool = False
     check: bool = True
     root: int = 0
+    shift: bool = False
 
     def __post_init__(self):
         if self.input_ids.dim() != 2 or self.attention_mask.shape != self.input_ids.shape:
             raise ValueError("`input_ids` and `attention_mask` must be [rows, length] tensors of the same shape.")
 
     @classmethod
-    def generated(cls, input_ids, attention_mask, prompt_length: int, score_padding=False, check=True) -> StockRows:
+    def generated(
+        cls, input_ids, attention_mask, prompt_length: int, score_padding=False, check=True, shift=False
+    ) -> StockRows:
         """Generated rows `[prompt (prompt_length columns) | completion]` (GRPO, RLOO, online DPO): a row's prompt is
-        its tokens in the prompt columns, so a prompt's generations (and duplicate prompts') form one document."""
+        its tokens in the prompt columns, so a prompt's generations (and duplicate prompts') form one document;
+        `shift`: prompts of other lengths (left-padded by other amounts) share their common start too (see `shift`)."""
         prompt_lengths = attention_mask[:, :prompt_length].sum(dim=1)
-        return cls(input_ids, attention_mask, prompt_lengths, score_padding=score_padding, check=check)
+        return cls(input_ids, attention_mask, prompt_lengths, score_padding=score_padding, check=check, shift=shift)
 
 
 def plan_layout(rows: StockRows, join: str = "prompts") -> LayoutPlan:
@@ -206,6 +217,7 @@ class _SortedRows:
     starts: torch.Tensor  # [R] first column of each sorted row's tokens
     lengths: torch.Tensor  # [R] tokens laid out for each sorted row
     real: torch.Tensor  # [R] real tokens of each sorted row
+    same_start: torch.Tensor  # [R] whether the row before starts at the same column
     shared: torch.Tensor  # [R] tokens each sorted row shares with the one before it
     prompts: torch.Tensor  # [R] prompt tokens of each sorted row
     same_example: torch.Tensor | None  # [R] whether the row before is of the same example (within-example sharing)
@@ -225,6 +237,11 @@ def _sort_stock_rows(stock: StockRows) -> _SortedRows:
         lengths = torch.where(real > 0, width - starts, 0)
     else:
         lengths = real
+    key_starts = starts
+    if stock.shift:  # each row's keys from its first token on: a common start is common wherever its columns are
+        at = (starts[:, None] + columns).clamp(max=max(width - 1, 0))
+        keys = torch.where(columns < (width - starts)[:, None], keys.gather(1, at), _NO_TOKEN)
+        key_starts = torch.zeros_like(starts)
     lead = 0
     examples = examples.to(device) if examples is not None else None
     if examples is not None and (not stock.across_examples or not stock.share):
@@ -236,7 +253,7 @@ def _sort_stock_rows(stock: StockRows) -> _SortedRows:
 
     if prompt_lengths is None and examples is not None:  # what the rows of each example have in common
         same = examples[:, None] == examples[None, :]
-        tokens_common = (common - lead - starts[:, None]).clamp(min=0)
+        tokens_common = (common - lead - key_starts[:, None]).clamp(min=0)
         tokens_common = torch.minimum(tokens_common, torch.minimum(lengths[:, None], lengths[None, :]))
         sibling = same & (index[:, None] != index[None, :])
         big = torch.iinfo(torch.long).max
@@ -247,13 +264,15 @@ def _sort_stock_rows(stock: StockRows) -> _SortedRows:
 
     s_starts, s_lengths = starts[order], lengths[order]
     # tokens each sorted row shares with the one before it (the most any earlier row shares with it)
-    shared = (common[order, _previous(order)] - lead - s_starts).clamp(min=0)
+    shared = (common[order, _previous(order)] - lead - key_starts[order]).clamp(min=0)
     shared = torch.minimum(shared, torch.minimum(s_lengths, _previous(s_lengths)))
     same_example = None
     if lead:
         s_examples = examples[order]
         same_example = s_examples == _previous(s_examples)
-    return _SortedRows(order, s_starts, s_lengths, real[order], shared, prompt_lengths.to(device)[order], same_example)
+    same_start = s_starts == _previous(s_starts)
+    prompts = prompt_lengths.to(device)[order]
+    return _SortedRows(order, s_starts, s_lengths, real[order], same_start, shared, prompts, same_example)
 
 
 def _joined_plan(rows: _SortedRows, stock: StockRows, join: str) -> LayoutPlan:
@@ -265,6 +284,8 @@ def _joined_plan(rows: _SortedRows, stock: StockRows, join: str) -> LayoutPlan:
     prev_lengths = _previous(s_lengths)
     if stock.share:
         joins = shared >= torch.minimum(rows.prompts, _previous(rows.prompts)).clamp(min=1)
+        if stock.shift:  # a prompt joins another one only where both start at the same column, as without `shift`
+            joins &= rows.same_start
         if join == "always":  # any common start of two tokens saves positions (one is copied to start the branch)
             joins |= shared >= 2
         if stock.root:  # a block every row starts with: one copy, visible to every row
@@ -297,6 +318,7 @@ def _joined_plan(rows: _SortedRows, stock: StockRows, join: str) -> LayoutPlan:
         input_ids=stock.input_ids[rows.order],
         score_padding=stock.score_padding,
         join=join,
+        shift=stock.shift,
     )
 
 

@@ -95,6 +95,34 @@ def test_grpo_training_step(tmp_path, smollm2, monkeypatch):
         assert_same_runs(stock, run(True))
 
 
+@pytest.mark.long  # a 135M model: seconds per step on a CPU
+def test_grpo_shares_the_system_prompt_across_questions_of_other_lengths(tmp_path, smollm2, monkeypatch):
+    """Questions of other lengths behind the 221-token system prompt, `"always"`: the prompts are left-padded by other
+    amounts, the shared rows hold the system prompt once per micro-batch (its tokens moved), and every logged number
+    and the trained weights equal stock's."""
+    from trl_prefix_sharing.testing.shift import copies_of_the_common_start, record_layouts
+
+    path, _, tokenizer = smollm2
+    prompts = Dataset.from_list([{"prompt": row["prompt"]} for row in load_demo_chat(pairs="best_worst")])
+    template = tokenizer.apply_chat_template
+    lengths = {
+        len(template(row["prompt"], add_generation_prompt=True, return_dict=True)["input_ids"]) for row in prompts
+    }
+    assert len(lengths) > 1, lengths
+
+    def run(ours):
+        trainer = make_group_trainer(
+            "grpo", ours, path, prompts, tokenizer, tmp_path, max_steps=1, max_completion_length=8, learning_rate=1e-6
+        )
+        assert not ours or trainer.sharing_session.shift
+        return train(trainer)
+
+    stock = run(False)
+    seen = record_layouts(monkeypatch)
+    assert_same_runs(stock, run({"prefix_sharing_join": "always"}))
+    assert seen and {copies_of_the_common_start(*entry) for entry in seen} == {1.0}
+
+
 def test_missing_package_is_one_line_with_the_install_command(monkeypatch, tmp_path):
     import importlib.util
 

@@ -161,14 +161,11 @@ def test_stats_sft_joins_are_the_layouts():
     ("args", "message"),
     [
         (
-            ["--trainer", "online_dpo", "--prefix_sharing_join", "always"],
-            "--prefix_sharing_join applies to --trainer dpo, reward, kto, orpo, cpo or sft only: with --trainer "
-            "online_dpo the report lays out each prompt's group on its own",
+            ["--trainer", "grpo", "--num_generations", "4", "--per_device_train_batch_size", "6"],
+            "--per_device_train_batch_size 6 is not a multiple of --num_generations 4: a micro-batch holds whole "
+            "groups of a prompt's generations",
         ),
-        (
-            ["--trainer", "grpo", "--prefix_sharing_join", "prompts"],
-            "--prefix_sharing_join applies to --trainer dpo, reward, kto, orpo, cpo or sft",
-        ),
+        (["--trainer", "online_dpo", "--prefix_sharing_join", "sometimes"], "invalid choice: 'sometimes'"),
         (["--trainer", "sft", "--prefix_sharing_join", "sometimes"], "invalid choice: 'sometimes'"),
         (
             ["--trainer", "sft", "--prefix_sharing_merge_kl", "true"],

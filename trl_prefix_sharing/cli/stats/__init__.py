@@ -58,11 +58,24 @@ the recorded SFT benchmark reached on the profile of nearest ideal with padding.
 
 Prompt-only data (`--trainer grpo`, `rloo` or `online_dpo`): the completions are generated during training, so their
 length is an assumption (`--completion_length`, by default the longest generation: `--max_completion_length`, or
-`--max_new_tokens` for online DPO). Tokenizes the prompts as TRL does and reports, per group of one prompt and its
-completions (`--num_generations`; online DPO: 2), the positions stock TRL computes, G(P + C), against the shared
-layout's, P - 1 + G(C + 1) (the prompt once; each completion headed by a copy of the prompt's last token). Padding is
-not counted. What the recorded benchmark of the trainer measured on the profile of nearest prompt/completion ratio
-(and the same group size, where recorded) is quoted as it was measured: the scoring step, and with generation.
+`--max_new_tokens` for online DPO). Tokenizes the prompts as TRL does (online DPO: their start cut to fit
+`--max_length`) and reports, first per group of one prompt and its completions (`--num_generations`; online DPO: 2)
+on its own, the positions stock TRL computes, G(P + C), against the shared layout's, P - 1 + G(C + 1) (the prompt
+once; each completion headed by a copy of the prompt's last token), padding not counted. Then micro-batches of
+consecutive prompts as training lays them out (`groups.py`, `trained.GeneratedLayouts`): GRPO and RLOO
+`--per_device_train_batch_size` rows, whole groups of a prompt's G generations (one micro-batch per generation batch,
+as TRL's default `steps_per_generation` gives; the last prompts, fewer than a micro-batch, are dropped as TRL's
+sampler drops them), online DPO `--per_device_train_batch_size` prompts and their 2 completions each. Each micro-batch
+holds the rows TRL scores, `[prompt left-padded to the micro-batch's longest | completion]`, every completion
+`--completion_length` tokens of its own (completions share nothing beyond their prompt; sampled ones that start
+alike share more in training), laid out by training's `build_layout` under `--prefix_sharing_join` with the cost
+model of the model given, under SDPA and varlen, as for the data above. Left padding puts a start that prompts of
+other lengths share (a system prompt, tool schemas) at other positions in their rows: training shares it across
+prompts of any length (`always`, or `auto` where it keeps that plan) only on models measured shift-invariant, which
+it moves to common positions, and otherwise only between prompts of one length; the report says which, and why. It
+prints the positions per prompt, those a run logs as `num_shared_tokens`, and the verdict weighs them. What the
+recorded benchmark of the trainer measured on the profile of nearest prompt/completion ratio (and the same group size,
+where recorded) is quoted as it was measured: the scoring step, and with generation.
 """
 
 from __future__ import annotations
@@ -73,8 +86,9 @@ import sys
 from .arguments import parse_args
 from .defaults import GROUP_TRAINERS
 from .errors import PROG, StatsError, _one_line
+from .groups import group_report
 from .loading import _check_columns, check_model, go_offline_if_unreachable, load_split, load_tokenizer
-from .reports import group_report, preference_report, sft_report
+from .reports import preference_report, sft_report
 
 
 __all__ = ["main", "run"]

@@ -68,7 +68,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model_name_or_path",
         required=True,
-        help="the model: its tokenizer and its config (for the architecture check training applies), no weights",
+        help="the model: its tokenizer and its config, no weights: for the architecture check training applies, "
+        "the cost model by which prefix_sharing_join=auto chooses a layout, and (grpo, rloo, online_dpo) whether "
+        "the model is measured shift-invariant, so that prompts of any length share their start",
     )
     parser.add_argument(
         "--trust_remote_code",
@@ -89,6 +91,29 @@ def make_parser() -> argparse.ArgumentParser:
         "training (default: dpo)",
     )
     parser.add_argument("--max_examples", type=_int_at_least(1), default=None, help="look at the first N rows only")
+    layout = parser.add_argument_group("every trainer: the micro-batches training lays out")
+    layout.add_argument(
+        "--per_device_train_batch_size",
+        type=_int_at_least(1),
+        default=None,
+        help="as in the trainer's config: the rows training lays out together, and the padding and packing estimates "
+        "and KTO's KL rows; dpo, reward, kto, orpo, cpo and sft: examples per micro-batch; grpo and rloo: rows per "
+        "micro-batch, a multiple of --num_generations (its prompts x their generations, one micro-batch per "
+        "generation batch as TRL's default steps_per_generation gives); online_dpo: prompts per micro-batch, 2 "
+        f"completions each (default: TRL's, {BATCH_SIZE})",
+    )
+    layout.add_argument(
+        "--prefix_sharing_join",
+        choices=SFT_JOINS,
+        default=None,
+        help="as in the trainer's config: which rows of a micro-batch join one shared row: rows that share a prompt "
+        "(prompts: a prompt's several pairs, completions or generations), rows that share any start of two tokens "
+        "or more, whichever examples they come from (always: a system prompt, a preamble, tool schemas), or per "
+        "micro-batch the plan of the two whose estimated cost for the model is lower (auto; the report counts what "
+        "it keeps). grpo, rloo and online_dpo left-pad their prompts: always shares a start between prompts of any "
+        "length where the model is measured shift-invariant (the report says whether it is), else between prompts "
+        f"of one length only (default: {SFT_JOIN})",
+    )
     data = parser.add_argument_group("dpo, reward, kto, orpo, cpo and sft")
     data.add_argument(
         "--max_length",
@@ -104,23 +129,6 @@ def make_parser() -> argparse.ArgumentParser:
         choices=["keep_start", "keep_end"],
         default=None,
         help=f"dpo and sft, as in DPOConfig and SFTConfig (default: {TRUNCATION_MODE})",
-    )
-    data.add_argument(
-        "--per_device_train_batch_size",
-        type=_int_at_least(1),
-        default=None,
-        help="examples per micro-batch, for the padding and packing estimates, KTO's KL rows and the rows training "
-        f"lays out together (default: {BATCH_SIZE})",
-    )
-    data.add_argument(
-        "--prefix_sharing_join",
-        choices=SFT_JOINS,
-        default=None,
-        help="dpo, reward, kto, orpo, cpo and sft, as in their configs: which rows of a micro-batch join one shared "
-        "row: rows that share a prompt (prompts: a prompt's several pairs or completions), rows that share any start "
-        "of two tokens or more, whichever examples they come from (always: a system prompt, a preamble), or per "
-        "micro-batch the plan of the two whose estimated cost for the model is lower (auto; the report counts what "
-        f"it keeps; default: {SFT_JOIN})",
     )
     data.add_argument(
         "--prefix_sharing_score_padding",
@@ -161,9 +169,10 @@ def make_parser() -> argparse.ArgumentParser:
         "--completion_length",
         type=_int_at_least(1),
         default=None,
-        help="the assumed length of every generated completion, in tokens (default: --max_completion_length, or "
-        "--max_new_tokens for online_dpo, the longest TRL generates; completions that stop at EOS are shorter, so "
-        "pass the typical length you see)",
+        help="the assumed length of every generated completion, in tokens, each laid out with tokens of its own "
+        "(completions share nothing beyond their prompt) (default: --max_completion_length, or --max_new_tokens for "
+        "online_dpo, the longest TRL generates; completions that stop at EOS are shorter, so pass the typical length "
+        "you see)",
     )
     return parser
 
@@ -172,8 +181,6 @@ def make_parser() -> argparse.ArgumentParser:
 _APPLIES_TO = {
     "max_length": (*DATA_TRAINERS, "sft", "online_dpo"),
     "truncation_mode": ("dpo", "sft"),
-    "per_device_train_batch_size": (*DATA_TRAINERS, "sft"),
-    "prefix_sharing_join": (*DATA_TRAINERS, "sft"),
     "prefix_sharing_score_padding": PAIRED_TRAINERS,
     "prefix_sharing_merge_kl": ("kto",),
     "num_generations": GROUP_TRAINERS,
@@ -192,7 +199,6 @@ _WHY_NOT = {
     ("max_completion_length", "online_dpo"): "OnlineDPOConfig names the completion length --max_new_tokens; pass that",
     ("max_new_tokens", "grpo"): "GRPOConfig names the completion length --max_completion_length; pass that",
     ("max_new_tokens", "rloo"): "RLOOConfig names the completion length --max_completion_length; pass that",
-    ("per_device_train_batch_size", "online_dpo"): "padding is not counted for generated completions",
 }
 
 
@@ -201,13 +207,8 @@ def _does_not_apply(flag: str, trainer: str) -> str:
     where = _APPLIES_TO[flag]
     listed = ", ".join(where[:-1]) + f" or {where[-1]}" if len(where) > 1 else where[0]
     why = _WHY_NOT.get((flag, trainer))
-    if why is None and flag == "prefix_sharing_join":
-        why = (
-            f"with --trainer {trainer} the report lays out each prompt's group on its own, so no rows of different "
-            "prompts are joined"
-        )
     if why is None and trainer in ("grpo", "rloo"):
-        why = f"with --trainer {trainer} the prompts are not truncated and padding is not counted"
+        why = f"with --trainer {trainer} the prompts are not truncated"
     if why is None and trainer in DATA_TRAINERS and set(where) <= set(GROUP_TRAINERS):
         return (
             f"--{flag} applies to --trainer {listed} (completions generated during training); --trainer {trainer} "
@@ -240,6 +241,16 @@ def parse_args(argv: list[str] | None):
             args.max_completion_length = args.max_completion_length or MAX_COMPLETION_LENGTH
             longest = "--max_completion_length"
         args.num_generations = args.num_generations or NUM_GENERATIONS[args.trainer]
+        args.per_device_train_batch_size = args.per_device_train_batch_size or BATCH_SIZE
+        args.prefix_sharing_join = args.prefix_sharing_join or SFT_JOIN
+        if args.trainer != "online_dpo" and args.per_device_train_batch_size % args.num_generations:
+            raise StatsError(
+                f"--per_device_train_batch_size {args.per_device_train_batch_size} is not a multiple of "
+                f"--num_generations {args.num_generations}: a micro-batch holds whole groups of a prompt's "
+                f"generations (TRL requires its generation batch, per_device_train_batch_size x steps_per_generation, "
+                "to be a multiple of num_generations; the report counts one micro-batch per generation batch, its "
+                f"default); pass a multiple of {args.num_generations}"
+            )
         if args.completion_length is None:
             args.completion_length = args.max_completion_length
         elif args.completion_length > args.max_completion_length:
@@ -256,6 +267,5 @@ def parse_args(argv: list[str] | None):
     args.per_device_train_batch_size = args.per_device_train_batch_size or BATCH_SIZE
     if args.prefix_sharing_score_padding is None:
         args.prefix_sharing_score_padding = False  # ConcatenatedSharingArguments' default
-    if args.trainer in (*DATA_TRAINERS, "sft"):
-        args.prefix_sharing_join = args.prefix_sharing_join or SFT_JOIN
+    args.prefix_sharing_join = args.prefix_sharing_join or SFT_JOIN
     return args

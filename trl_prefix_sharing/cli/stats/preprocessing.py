@@ -143,22 +143,20 @@ def _encode_prompts(prompts: list, chat: list[bool], tokenizer, online: bool) ->
     return [next(encoded) if c else next(plain) for c in chat]
 
 
-def prompt_lengths(dataset, tokenizer, chunk: int = 256, online: bool = False) -> tuple[list[int], bool]:
-    """Token counts of the prompts as TRL's GRPO/RLOO trainers tokenize them (`_tokenize_prompts`): conversational
+def tokenized_prompts(dataset, tokenizer, chunk: int = 256, online: bool = False):
+    """The token ids of each prompt as TRL's GRPO/RLOO trainers tokenize them (`_tokenize_prompts`): conversational
     ones through the chat template with `add_generation_prompt=True`, text as it is; with `online`, as its online DPO
-    trainer does (the chat template applied as text, no special tokens added). Also: whether any was
-    conversational."""
+    trainer does (the chat template applied as text, no special tokens added). Yields `(ids, conversational)` per
+    prompt, in the dataset's order, tokenized `chunk` prompts at a time."""
     from tqdm.auto import tqdm
     from trl.data_utils import is_conversational
 
-    lengths, conversational = [], False
     for start in tqdm(range(0, len(dataset), chunk), desc="Tokenizing prompts", disable=len(dataset) <= 16 * chunk):
         prompts = dataset[start : start + chunk]["prompt"]
         _check_prompts(prompts, start)
         chat = [is_conversational({"prompt": p}) for p in prompts]
-        conversational |= any(chat)
         try:
-            lengths.extend(map(len, _encode_prompts(prompts, chat, tokenizer, online)))
+            encoded = _encode_prompts(prompts, chat, tokenizer, online)
         except Exception as error:  # the tokenizer on the user's prompts: a template or a text it cannot take
             what, way_out = (
                 ("the chat template", "conversational prompts need a tokenizer whose chat template takes them")
@@ -169,4 +167,14 @@ def prompt_lengths(dataset, tokenizer, chunk: int = 256, online: bool = False) -
                 f"{what} of --model_name_or_path cannot take the prompts of rows {start}-{start + len(prompts) - 1} "
                 f"({_cause(error)}); {way_out}"
             ) from None
+        yield from zip(encoded, chat, strict=True)
+
+
+def prompt_lengths(dataset, tokenizer, chunk: int = 256, online: bool = False) -> tuple[list[int], bool]:
+    """Token counts of the prompts as the trainer tokenizes them (`tokenized_prompts`), and whether any was
+    conversational."""
+    lengths, conversational = [], False
+    for ids, chat in tokenized_prompts(dataset, tokenizer, chunk, online):
+        lengths.append(len(ids))
+        conversational |= chat
     return lengths, conversational

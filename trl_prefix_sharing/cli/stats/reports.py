@@ -1,12 +1,12 @@
 """The reports `stats` prints, one per kind of data: data with its completions (`preference_report`: DPO, reward,
-KTO, ORPO, CPO), SFT data (`sft_report`), and prompt-only data whose completions are generated during training
-(`group_report`: GRPO, RLOO, online DPO). Each prepares the dataset, counts its positions and prints the lengths,
-the ideal speedups, the expected one where a benchmark is recorded, and the verdict."""
+KTO, ORPO, CPO) and SFT data (`sft_report`); prompt-only data, whose completions are generated during training, has its
+own (`groups.group_report`: GRPO, RLOO, online DPO), from this module's pieces. Each prepares the dataset, counts its
+positions and prints the lengths, the ideal speedups, the expected one where a benchmark is recorded, and the
+verdict."""
 
 from __future__ import annotations
 
 import os
-import warnings
 
 from ...trainers import TRAINERS as TRAINER_SPECS
 from .counting import (
@@ -19,7 +19,7 @@ from .counting import (
     _SFTCounts,
     _SFTPlanCounts,
 )
-from .defaults import MAX_COMPLETION_LENGTH, MAX_NEW_TOKENS, PAIRED_TRAINERS, PREFERENCE_TRAINERS, TRAINER_CLASSES
+from .defaults import PAIRED_TRAINERS, PREFERENCE_TRAINERS, TRAINER_CLASSES
 from .errors import StatsError
 from .preprocessing import (
     _prepared_preferences,
@@ -27,10 +27,9 @@ from .preprocessing import (
     _quiet_preprocessing,
     kto_trainer,
     paired_trainer,
-    prompt_lengths,
     sft_trainer,
 )
-from .speedups import expected_speedups, measured_group_speedups
+from .speedups import expected_speedups
 from .trained import (
     TrainedCounts,
     cost_model,
@@ -162,20 +161,28 @@ def _print_speedups(args, counts: _PreferenceCounts) -> list[float]:
     return [ideal, padded, step]
 
 
-def _print_trained(args, trained: dict[str, TrainedCounts], note: str | None) -> list[float]:
-    """The report's lines on what training lays out (DPO, reward, KTO, ORPO, CPO; SFT with `auto`); returns their
-    ideals (KTO: those of a training step)."""
-    join, batch_size = args.prefix_sharing_join, args.per_device_train_batch_size
+def _print_trained(
+    args, trained: dict[str, TrainedCounts], note: str | None, batches: str = "", lines=(), unit: str = "example"
+) -> list[float]:
+    """The report's lines on what training lays out (DPO, reward, KTO, ORPO, CPO; SFT with `auto`; GRPO, RLOO and
+    online DPO); returns their ideals (KTO: those of a training step). `batches`: what a micro-batch holds (default:
+    `--per_device_train_batch_size` consecutive examples); `lines`: `(label, text)` lines before the kernels' blocks;
+    `unit`: what the counts are per."""
+    join = args.prefix_sharing_join
+    batches = batches or f"{args.per_device_train_batch_size} consecutive examples"
     how = (
         "prefix_sharing_join=auto keeps, per micro-batch, whichever plan the step's estimated cost for this model "
         "prefers: a dense kernel pays rows x width^2 for attention, varlen and FlexAttention the visible pairs"
         if join == "auto"
         else f"prefix_sharing_join={join}"
     )
-    print(f"  as training lays it out, in micro-batches of {batch_size} consecutive examples; {how}:")
+    print(f"  as training lays it out, in micro-batches of {batches}; {how}:")
     if note:
         print(f"    ({note})")
-    print_trained(trained, _WIDTH, "the policy's pass over the main and KL rows: " if args.trainer == "kto" else "")
+    for label, text in lines:
+        _line(f"  {label}", text)
+    kto = "the policy's pass over the main and KL rows: " if args.trainer == "kto" else ""
+    print_trained(trained, _WIDTH, kto, unit)
     return [figure for counts in trained.values() for figure in counts.figures]
 
 
@@ -342,89 +349,3 @@ def sft_report(dataset, tokenizer, args) -> None:
     kernels = kernel_collators(trainer.data_collator, model)
     counts = _measure_sft(trainer.train_dataset, trainer.data_collator, args.per_device_train_batch_size, kernels)
     _print_sft_report(args, counts, completion_only_loss, note)
-
-
-def _completion_source(args) -> str:
-    """Where the assumed completion length comes from, for the report."""
-    online = args.trainer == "online_dpo"
-    flag, default, config = (
-        ("--max_new_tokens", MAX_NEW_TOKENS, "OnlineDPOConfig")
-        if online
-        else ("--max_completion_length", MAX_COMPLETION_LENGTH, f"{args.trainer.upper()}Config")
-    )
-    if args.completion_length != args.max_completion_length:
-        return "--completion_length"
-    return (
-        flag
-        + ("" if args.max_completion_length != default else f", TRL's {config} default")
-        + ": completions that stop at EOS are shorter; pass their typical length with --completion_length"
-    )
-
-
-def group_report(dataset, tokenizer, args) -> None:
-    from ...savings import group_stats
-
-    online = args.trainer == "online_dpo"
-    if online:  # the rendering of its prompts re-derived here is still TRL's (the fingerprint of its `_generate`)
-        from trl.import_utils import TRLExperimentalWarning
-
-        from ...trl_internals import check_trl_internals
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", TRLExperimentalWarning)  # TRL's notice on importing the trainer
-            check_trl_internals("stats")
-    lengths, conversational = prompt_lengths(dataset, tokenizer, online=online)
-    g, c = args.num_generations, args.completion_length
-    truncated = keep = 0
-    if online:  # TRL cuts the prompts' start so that prompt + completion fit `max_length`
-        keep = max(args.max_length - c, 0)
-        truncated = sum(p > keep for p in lengths)
-        lengths = [min(p, keep) for p in lengths]
-    stats = group_stats(lengths, c, g)
-    if online:
-        tokenized = (
-            "chat template as text, no special tokens added"
-            if conversational
-            else "plain text, no special tokens added"
-        )
-        what = f"online_dpo, {g} completions per prompt, max_length={args.max_length}"
-    else:
-        tokenized = "chat template, add_generation_prompt=True" if conversational else "plain text, no chat template"
-        what = f"{args.trainer}, num_generations={g}"
-    print(f"Dataset {args.dataset_name} ({_count(len(lengths), 'prompt')}; {what})")
-    _line("model:", args.model_note)
-    _line("assumed completion length:", f"{c} tokens each ({_completion_source(args)})")
-    _line("prompt tokens:", f"{_percentiles(lengths)} ({tokenized})")
-    if truncated:
-        _line(
-            "prompts cut to fit --max_length:",
-            f"{truncated:,} (their start dropped, as TRL does: {keep} prompt tokens are left beside the completion)",
-        )
-    print(f"  positions per group (a prompt and its {g} completions; padding not counted):")
-    print(f"    {'stock, G(P+C):':<{_WIDTH - 2}}{stats.stock_per_group:,.1f} ({g} rows of prompt + completion)")
-    print(
-        f"    {'shared, P-1+G(C+1):':<{_WIDTH - 2}}{stats.shared_per_group:,.1f} (the prompt once; each completion "
-        "headed by a copy of the prompt's last token)"
-    )
-    if stats.empty_prompts:
-        _line("prompts with no tokens:", f"{stats.empty_prompts:,} (nothing to share)")
-    _line(
-        "ideal speedup, linear layers:",
-        f"{stats.linear_speedup:.2f}x (stock / shared positions), of the passes that score the completions",
-    )
-    _line("ideal speedup, attention:", f"{stats.attention_speedup:.2f}x (stock / shared query-key pairs)")
-    if online:
-        print(
-            "  the scoring passes: the policy's forward and backward and the reference's log-probs; generation and "
-            "the reward model or judge are not sped up, and often take most of a step"
-        )
-    else:
-        print(
-            "  the scoring passes: training forward and backward, old-policy and reference log-probs; generation is "
-            "not sped up, and often takes most of a step"
-        )
-    median = sorted(lengths)[len(lengths) // 2]
-    print(f"  measured in the benchmarks (the nearest profile, median prompt / completion {median / c:.2f}):")
-    for line in measured_group_speedups(args.trainer, median / c, g):
-        print(line)
-    print(f"  verdict: prefix sharing {_verdict(stats.linear_speedup)} on the scoring passes on this dataset.")

@@ -4,9 +4,11 @@ keeps, per micro-batch, the plan (`prompts` or `always`) of least estimated cost
 (`cost.StepCost`, read from the model built from its config on the meta device, no weights) under a kernel's rows and
 cost (`KERNELS`). DPO, reward and SFT: the collator is `PrefixSharingCollator` (under `--prefix_sharing_join`), which
 lays out the batch. ORPO and CPO build their stock rows in the step (TRL's `concatenated_inputs`), KTO its main and KL
-rows (`kto_trainer._SharedKTOBatch`): laid out as training's session lays them out (`LayoutSession`). The positions
-counted are those a training run logs as `num_shared_tokens` (`tests/tools/test_stats_sft.py`,
-`tests/tools/test_stats_trained.py`)."""
+rows (`kto_trainer._SharedKTOBatch`): laid out as training's session lays them out (`LayoutSession`). GRPO, RLOO and
+online DPO score the rows they generate, `[left-padded prompt | completion]`: laid out as the trainer's session lays
+them out (`GeneratedLayouts`), each completion assumed. The positions counted are those a training run logs as
+`num_shared_tokens` (`tests/tools/test_stats_sft.py`, `tests/tools/test_stats_trained.py`,
+`tests/tools/test_stats_generated.py`)."""
 
 from __future__ import annotations
 
@@ -74,10 +76,11 @@ class LayoutSession:
         self.backend, self.models, self.pad_token_id, self.join = BACKENDS[kernel], [model], pad_token_id, join
         self.tuning = Tuning.of_session(self)
 
-    def layout(self, stock):
+    def layout(self, stock, plans=None):
+        """The layout of `stock` (`plans`: its plans under the session's join, if already made)."""
         from ...layout import build_layout
 
-        return build_layout(stock, pad_token_id=self.pad_token_id, join=self.join, tuning=self.tuning)
+        return build_layout(stock, pad_token_id=self.pad_token_id, plan=plans, join=self.join, tuning=self.tuning)
 
 
 def layout_sessions(trainer, model) -> dict[str, LayoutSession]:
@@ -209,17 +212,85 @@ def measure_kto(trainer, model, batch_size: int) -> dict[str, TrainedCounts]:
     return counts
 
 
+def generated_shift(join: str, config) -> tuple[bool, str]:
+    """Whether training's layouts of generated rows move a prompt's tokens to other positions, so that prompts of any
+    length share their start (`trie.StockRows.shift`), as the trainer decides it (`architectures.moves_positions`) for
+    `join` and the model of `config` (a `str`: why there is none); and the report's words on it."""
+    from ...architectures import moves_positions, shift_invariant
+
+    if join == "prompts":
+        return (
+            False,
+            "not moved: prefix_sharing_join=prompts joins a prompt's own rows (and a duplicate prompt's) only",
+        )
+    one_length = "a start is shared only between prompts of one length (the same left padding)"
+    if config is None or isinstance(config, str):
+        return False, f"not known: no config of the model was read; counted as not moved, {one_length}"
+    if not moves_positions(join, [config]):
+        return False, f"not moved, {one_length}: {shift_invariant(config)}"
+    return True, (
+        "moved: a start that prompts of any length share (a system prompt, tool schemas) is computed once, each "
+        f"prompt's tokens moved to its shared row's positions ('{config.model_type}' is measured shift-invariant: its "
+        "numbers do not change when a row's tokens all move by the same amount; training confirms it on its first "
+        "batch)"
+    )
+
+
+def generated_batch(rows: list[list[int]], completion_length: int, pad_token_id: int):
+    """One micro-batch of generated rows as TRL scores them: each of `rows` (a prompt's token ids, once per
+    generation) left-padded to the longest, then a completion of `completion_length` tokens of its own (ids that no
+    prompt of the batch holds, and no other completion: completions share nothing beyond their prompt). Returns the
+    rows' `input_ids`, `attention_mask` and prompt columns."""
+    import torch
+
+    width = max(map(len, rows))
+    fresh = 1 + max([pad_token_id, *(token for row in rows for token in row)])
+    input_ids = torch.full((len(rows), width + completion_length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for number, row in enumerate(rows):
+        input_ids[number, width - len(row) : width] = torch.tensor(row, dtype=torch.long)
+        attention_mask[number, width - len(row) :] = 1
+    completions = torch.arange(len(rows) * completion_length, dtype=torch.long).view(len(rows), completion_length)
+    input_ids[:, width:] = fresh + completions
+    return input_ids, attention_mask, width
+
+
+class GeneratedLayouts:
+    """What a GRPO, RLOO or online DPO trainer's session lays out of the rows it generates (`session.generated_layout`)
+    under each kernel of `KERNELS`, `model`'s cost model choosing under `join`: each micro-batch's rows
+    (`generated_batch`) as `StockRows.generated` with the session's `shift` (`generated_shift`) and, for online DPO,
+    `score_padding` (its statistics score each row's padding)."""
+
+    def __init__(self, model, pad_token_id: int, join: str, completion_length: int, shift: bool, score_padding: bool):
+        self.sessions = {name: LayoutSession(name, model, pad_token_id, join) for name in KERNELS}
+        self.counts = {name: TrainedCounts() for name in KERNELS}
+        self.pad_token_id, self.join, self.completion_length = pad_token_id, join, completion_length
+        self.shift, self.score_padding = shift, score_padding
+
+    def add(self, rows: list[list[int]], prompts: int) -> None:
+        """Add one micro-batch of `prompts` prompts: `rows`, each prompt's token ids once per generation."""
+        from ...trie import StockRows, plan_layouts
+
+        input_ids, mask, width = generated_batch(rows, self.completion_length, self.pad_token_id)
+        stock = StockRows.generated(
+            input_ids, mask, width, score_padding=self.score_padding, check=False, shift=self.shift
+        )
+        plans = plan_layouts(stock, joins=(self.join,))
+        for name, session in self.sessions.items():
+            self.counts[name].add_pass([session.layout(stock, plans)], [mask], prompts)
+
+
 def _weighted(passes: list) -> list:
     """The passes of KTO's policy, weighted: the first (the main rows, or the merged ones) has gradients, weighted 3
     for its backward; the KL rows apart have none."""
     return [(item, 3 if number == 0 else 1) for number, item in enumerate(passes)]
 
 
-def _joins(counts: TrainedCounts) -> str:
+def _joins(counts: TrainedCounts, unit: str = "example") -> str:
     """How many micro-batches (KTO: layouts of the policy's pass) each join rule laid out."""
     joined, layouts = counts.joins["always"], sum(counts.joins.values())
     noun = "micro-batches" if layouts == counts.batches else "layouts"
-    text = f"{joined:,} of {layouts:,} {noun} joined across examples (always)"
+    text = f"{joined:,} of {layouts:,} {noun} joined across {unit}s (always)"
     text += f", {counts.joins['prompts']:,} by prompts" if joined < layouts else ""
     if counts.merged is not None:
         text += (
@@ -229,15 +300,15 @@ def _joins(counts: TrainedCounts) -> str:
     return text
 
 
-def print_trained(trained: dict[str, TrainedCounts], width: int, what: str = "") -> None:
+def print_trained(trained: dict[str, TrainedCounts], width: int, what: str = "", unit: str = "example") -> None:
     """The report's lines on what training lays out, one block per kernel (`what`: the pass counted, if not the
-    micro-batch's only one)."""
+    micro-batch's only one; `unit`: what `TrainedCounts.examples` counts)."""
     for name, counts in trained.items():
         n = max(counts.examples, 1)
         ideal, padded = counts.stock_tokens / max(counts.tokens, 1), counts.stock_padded / max(counts.padded, 1)
-        print(f"    {KERNELS[name]:<{width - 2}}{_joins(counts)}")
+        print(f"    {KERNELS[name]:<{width - 2}}{_joins(counts, unit)}")
         print(
-            f"      {'tokens per example, shared:':<{width - 4}}{counts.tokens / n:.1f} of stock's "
+            f"      {f'tokens per {unit}, shared:':<{width - 4}}{counts.tokens / n:.1f} of stock's "
             f"{counts.stock_tokens / n:.1f}: {ideal:.2f}x ({what}what training logs as num_shared_tokens)"
         )
         print(
