@@ -104,9 +104,10 @@ def test_wrong_mask_fails(tmp_path, tokenizer, model_dirs, monkeypatch):
     from trl_prefix_sharing.testing.equivalence import leaky_dpo_mask
 
     input_ids, attention_mask, keep = crafted_batch(tokenizer)
+    # "prompts": a join that moves no positions, so no start-up check stops the wrong mask before the comparison
     stock, shared = (
         make_group_trainer("grpo", ours, model_dirs["llama"], prompt_dataset(), tokenizer, tmp_path)
-        for ours in (False, True)
+        for ours in (False, {"prefix_sharing_join": "prompts"})
     )
     expected = logps_and_grads(stock, input_ids, attention_mask, keep)[0]
     monkeypatch.setattr(attention_module, "prefix_sharing_mask", leaky_dpo_mask)
@@ -365,8 +366,9 @@ def test_one_layout_per_set_of_rows(tmp_path, tokenizer, model_dirs, monkeypatch
     monkeypatch.setattr(
         group_module._SharedRowsModel, "__call__", lambda self, **k: calls.append(1) or real_call(self, **k)
     )
+    ours = {"prefix_sharing_join": "prompts"}  # (a join that moves positions adds the start-up check's layouts)
     shared = make_group_trainer(
-        "grpo", True, model_dirs["qwen3"], prompt_dataset(), tokenizer, tmp_path, beta=0.1, num_iterations=2
+        "grpo", ours, model_dirs["qwen3"], prompt_dataset(), tokenizer, tmp_path, beta=0.1, num_iterations=2
     )
     train(shared)
     # two steps, one generation batch: the old-policy and reference passes (one layout), then the training pass of

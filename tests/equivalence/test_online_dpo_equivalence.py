@@ -100,7 +100,8 @@ def test_forward_scores_every_column_as_stock(tmp_path, tokenizer):
 @pytest.mark.parametrize("wrong", ["leaky_branches", "visible_padding_keys"])
 def test_wrong_mask_fails(tmp_path, tokenizer, monkeypatch, wrong):
     input_ids, attention_mask, keep = crafted_batch(tokenizer)
-    stock, shared = make_trainers(tmp_path, "llama", tokenizer)
+    # "prompts": a join that moves no positions, so no start-up check stops the wrong mask before the comparison
+    stock, shared = make_trainers(tmp_path, "llama", tokenizer, ours={"prefix_sharing_join": "prompts"})
     expected = forward_and_grads(stock, input_ids, attention_mask, keep)[0]
     if wrong == "leaky_branches":
         monkeypatch.setattr(attention_module, "prefix_sharing_mask", leaky_dpo_mask)

@@ -67,6 +67,20 @@ def test_a_system_prompt_is_computed_once_per_micro_batch_whatever_the_prompt_le
     assert min(copies["prompts"]) >= 2, copies  # the 8-row micro-batches hold two prompts of other lengths
 
 
+def test_the_varlen_kernel_moves_positions_too(tmp_path, tokenizer, model_dirs, monkeypatch):
+    """The varlen kernel (its reference on the CPU: the same stream, gather and segments) lays every document in one
+    unpadded row; with the moved positions it gives stock's numbers and holds the system prompt once."""
+    dataset = any_length_prompts()
+    stock = train(make_group_trainer("grpo", False, model_dirs["qwen2"], dataset, tokenizer, tmp_path))
+    seen = record_layouts(monkeypatch)
+    ours = {"prefix_sharing_join": "always", "prefix_sharing_attn_implementation": "varlen"}
+    trainer = make_group_trainer("grpo", ours, model_dirs["qwen2"], dataset, tokenizer, tmp_path)
+    assert trainer.sharing_session.shift
+    assert_same_runs(stock, train(trainer))
+    assert seen and {copies_of_the_common_start(*entry) for entry in seen} == {1.0}
+    assert all(entry[2].segments is not None for entry in seen)
+
+
 def test_online_dpo_shares_a_system_prompt_across_prompt_lengths(tmp_path, tokenizer, monkeypatch):
     from test_online_dpo_equivalence import make_trainers
 
@@ -105,7 +119,7 @@ def test_moved_positions_change_an_absolute_model_and_the_start_up_check_stops_i
     assert rotary.values > 0 and rotary.passed and rotary.difference < 1e-5, rotary.summary()
     assert not absolute.passed and absolute.difference > 0.05, absolute.summary()
 
-    monkeypatch.setattr(sharing_module, "shift_invariant", lambda config: None)
+    monkeypatch.setattr(sharing_module, "moves_positions", lambda join, configs: True)
     trainer = make_group_trainer(
         "grpo", True, model_dirs["gpt2"], any_length_prompts(), tokenizer, tmp_path, prefix_sharing_join="always"
     )
