@@ -187,19 +187,9 @@ class PrefixSharingSession:
         key = (prompt_length, score_padding)
         layout = self._layouts.get(source, key)
         if layout is None:
-            layout = build_layout(
-                StockRows.generated(
-                    input_ids,
-                    attention_mask,
-                    prompt_length,
-                    score_padding=score_padding,
-                    check=self._checks_on(input_ids),
-                    shift=self.shift,
-                ),
-                pad_token_id=self.pad_token_id,
-                join=self.join,
-                tuning=self.tuning,
-            )
+            checks = self._checks_on(input_ids)
+            stock = StockRows.generated(input_ids, attention_mask, prompt_length, score_padding, checks, self.shift)
+            layout = build_layout(stock, pad_token_id=self.pad_token_id, join=self.join, tuning=self.tuning)
             self._layouts.put(source, key, self.with_attention(layout))
         return layout
 
