@@ -107,8 +107,12 @@ def test_a_forward_replaced_at_the_start_of_training_is_refused(tmp_path, tokeni
 
 @pytest.mark.parametrize("name", ["cache", "past_key_values", "inputs_embeds", "position_ids"])
 def test_inputs_the_layout_replaces_are_refused_beside_it(name):
+    from types import SimpleNamespace
+
+    layout = SimpleNamespace(virtual=None, input_ids=torch.zeros(1, 1, dtype=torch.long))  # no virtual tokens
+    replaced = ("inputs_embeds", "position_ids", "past_key_values", "cache")
     with pytest.raises(ValueError, match=f"`{name}` cannot be passed alongside the layout"):
-        _take_stock_inputs({name: torch.zeros(1)}, {}, ("inputs_embeds", "position_ids", "past_key_values", "cache"))
+        _take_stock_inputs({name: torch.zeros(1)}, layout, replaced)
 
 
 def test_active_dropout_is_refused(tmp_path, tokenizer):
