@@ -72,11 +72,12 @@ def check_engine(stand_in, trainer, generations: int, completions: int, sync) ->
             model.unmerge_adapter()
 
 
-def group_runs(stand_in, kind, mode, model_path, tokenizer, tmp_path, peft_config=None, **overrides):
-    """Stock's run, then prefix sharing's, each with a fresh stand-in engine (its own server in server mode)."""
+def group_runs(stand_in, kind, mode, model_path, tokenizer, tmp_path, peft_config=None, shared=True, **overrides):
+    """Stock's run, then prefix sharing's (`shared`: True, or our config's fields), each with a fresh stand-in engine
+    (its own server in server mode)."""
     stand_in.serve(model_path)
     runs = []
-    for ours in (False, True):
+    for ours in (False, shared):
         trainer = make_group_trainer(
             kind,
             ours,
@@ -213,6 +214,8 @@ def test_wrong_mask_fails_with_vllm(tmp_path, tokenizer, model_path, vllm, monke
     """The comparison above can fail: with a mask that lets a prompt's generations see each other, the shared run's
     old-policy log-probs (hence importance ratios, loss and weights) are not stock's."""
     monkeypatch.setattr(attention_module, "prefix_sharing_mask", leaky_dpo_mask)
-    stock, shared = group_runs(vllm, "grpo", "server", model_path, tokenizer, tmp_path, max_steps=1)
+    # "prompts": a join that moves no positions, so no start-up check stops the wrong mask before the comparison
+    prompts = {"prefix_sharing_join": "prompts"}
+    stock, shared = group_runs(vllm, "grpo", "server", model_path, tokenizer, tmp_path, shared=prompts, max_steps=1)
     with pytest.raises(AssertionError):
         assert_same_runs(stock, shared)
