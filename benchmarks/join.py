@@ -1,10 +1,12 @@
 """Sharing across examples (`prefix_sharing_join`): stock TRL vs `"prompts"` vs `"always"` vs `"auto"` on data whose
 examples start alike (`PROFILES`), and the cost model `"auto"` chooses by against the measured step times. Per trainer
-and profile, one micro-batch (DPO: 4 pairs; GRPO: 4 prompts of one length x 4 generations; SFT: 2 prompts x 4
-completions) through the trainer's own loss and backward in each variant (`FIXED`), after warm-up steps, the variants
-interleaved. Writes `<name>.md` and `<name>.json` (default `join_cpu`) to `--out`.
+and profile, one micro-batch (DPO: 4 pairs; GRPO: 4 prompts x 4 generations, the prompts of one length, and for
+`--varied` profiles of varied lengths too; SFT: 2 prompts x 4 completions) through the trainer's own loss and backward
+in each variant (`FIXED`), after warm-up steps, the variants interleaved. Writes `<name>.md` and `<name>.json` (default
+`join_cpu`) to `--out`; `--merge` keeps the rows of the saved JSON this run does not rerun.
 
-    python -m benchmarks.join --trainers dpo,grpo --out docs/benchmarks       # ~30 minutes on 2 cores
+    python -m benchmarks.join --trainers dpo,grpo --out docs/benchmarks       # ~50 minutes on 2 cores
+    python -m benchmarks.join --trainers grpo --out docs/benchmarks --merge   # GRPO's rows again, DPO's kept
     python -m benchmarks.join --trainers sft --name join_sft_cpu --out docs/benchmarks
     python -m benchmarks.join --render docs/benchmarks/join_cpu.json   # the markdown again, from a saved run
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -38,6 +41,8 @@ FIXED = {
 TRAINERS = ("dpo", "grpo", "sft")
 #: trainers whose collator builds the layout (the rest build it in the step)
 COLLATED = ("dpo", "sft")
+#: the arguments a run's rows depend on (`--merge` refuses others); a GRPO profile's label on prompts of varied lengths
+SIZES, VARIED = ("examples", "repeats", "length_scale", "hidden_size", "layers"), " (varied lengths)"
 
 
 def text_data(trainer, profile, n, scale):
@@ -67,19 +72,20 @@ def text_data(trainer, profile, n, scale):
     return Dataset.from_list(rows)
 
 
-def generation_batch(profile, prompts, g, scale, tokenizer, seed=0):
-    """GRPO rows as its generation step returns them: `prompts` prompts of one length (the shared start, then a
-    question) left-padded, `g` completions each right-padded and ending with EOS."""
+def generation_batch(profile, prompts, g, scale, tokenizer, seed=0, varied=False):
+    """GRPO rows as its generation step returns them: `prompts` prompts (the shared start, then a question of the
+    profile's length, or `varied`: each question's length drawn within 30% of it, no two alike) left-padded, `g`
+    completions each right-padded and ending with EOS."""
     import torch
     from trl.trainer.utils import pad
 
     shared, question, answer = (max(1, round(x * scale)) for x in PROFILES[profile])
     rng = random.Random(f"{profile}-grpo-{seed}")
     low, vocab = 8, len(tokenizer)
-    start = [rng.randrange(low, vocab) for _ in range(shared)]
-    rows, completions = [], []
-    for _ in range(prompts):
-        prompt = start + [rng.randrange(low, vocab) for _ in range(question)]
+    start, rows, completions = [rng.randrange(low, vocab) for _ in range(shared)], [], []
+    span = range(low_q := round(question * 0.7), max(round(question * 1.3) + 1, low_q + prompts))  # wide enough
+    for length in rng.sample(span, prompts) if varied else [question] * prompts:
+        prompt = start + [rng.randrange(low, vocab) for _ in range(length)]
         for _ in range(g):
             rows.append(prompt)
             size = max(1, round(answer * rng.uniform(0.7, 1.3)))
@@ -114,9 +120,9 @@ def step(trainer, inputs, collated):
     return host, time.perf_counter() - start - host, batch
 
 
-def run(trainer_name, profile, model, tokenizer, args, tmp):
-    """Every variant on one micro-batch of the profile (warm-up, then interleaved timed steps): its rows, join,
-    kernel, cost estimates and step times."""
+def run(trainer_name, profile, model, tokenizer, args, tmp, varied=False):
+    """Every variant on one micro-batch of the profile (GRPO: `varied`, its prompts of varied lengths; warm-up, then
+    interleaved timed steps): its rows, join, kernel, cost estimates and step times."""
     import torch
     from datasets import Dataset
 
@@ -132,7 +138,7 @@ def run(trainer_name, profile, model, tokenizer, args, tmp):
             train_dataset=text_data(trainer_name, profile, args.examples, args.length_scale), max_length=None
         )
     else:  # the timed rows are given to the step: the dataset only builds the trainer
-        rows = generation_batch(profile, args.examples, 4, args.length_scale, tokenizer)
+        rows = generation_batch(profile, args.examples, 4, args.length_scale, tokenizer, varied=varied)
         config.update(train_dataset=Dataset.from_list([{"prompt": "w1"}] * 8), num_generations=4)
     trainers = {
         v: build_trainer(
@@ -195,8 +201,9 @@ def run(trainer_name, profile, model, tokenizer, args, tmp):
     return results
 
 
-def write(all_results, args, command, device):
-    """`<name>.json` and `<name>.md`: every variant's row, then `"auto"` against the fixed choices."""
+def write(all_results, args, command, device, merged=()):
+    """`<name>.json` and `<name>.md`: every variant's row, then `"auto"` against the fixed choices; `merged`: the
+    commands whose rows replaced the saved ones (`--merge`)."""
     rows = [
         [trainer.upper(), profile, variant, r["join"] or "-", r["kernel"] or "-", f"{r['rows']} x {r['width']}"]
         + [f"{r['positions']:,}", f"{r['estimate'] / 1e9:.2f}", f"{r['predicted_speedup']:.2f}x", f"{r['step_s']:.3f}"]
@@ -218,10 +225,12 @@ def write(all_results, args, command, device):
         auto_rows[-1] += [times(results[best]["step_s"], auto["step_s"]), spread(auto), spread(results[best])]
     lines = document(
         "# Sharing across examples: `prefix_sharing_join` on CPU",
-        f"Command: `{command}`",
+        f"Command: `{command}`" + "".join(f", then `{m}` (the rows it ran replaced)" for m in merged),
         f"Device: {device}; a tiny Llama ({args.hidden_size} hidden, {args.layers} layers) in float32, SDPA with the "
         f"dense mask (the CPU's kernel); per micro-batch {args.examples} DPO pairs, {args.examples} GRPO prompts x 4 "
-        f"generations or 2 SFT prompts x 4 completions; median of {args.repeats} steps.",
+        f"generations or 2 SFT prompts x 4 completions; median of {args.repeats} steps. GRPO's prompts: the shared "
+        "start, then a question of the profile's length or (varied lengths) of a length drawn within 30% of it, no "
+        "two alike, so that TRL's left padding moves the start (shared on rotary models only).",
         "Positions: rows x width (padding included). Estimate: the cost model's multiply-adds of one forward "
         "(`trl_prefix_sharing.cost.StepCost`: positions x parameters, plus rows x width^2 for a dense kernel). Host: "
         "collation with the layout (GRPO builds it in the step). Predicted, FlexAttention: its estimate for a "
@@ -243,6 +252,7 @@ def write(all_results, args, command, device):
     results = {f"{trainer}/{profile}": r for (trainer, profile), r in all_results.items()}
     model = f"tiny llama ({args.hidden_size} hidden, {args.layers} layers), float32"
     data = {"command": command, "device": device, "model": model, "args": vars(args), "results": results}
+    data.update({"merged": merged} if merged else {})
     write_result(args.out, args.name, data, lines, echo=False)
 
 
@@ -252,32 +262,48 @@ def main():
     parser.add_argument("--name", default="join_cpu", help="the output files' name, without extension")
     parser.add_argument("--trainers", default=",".join(TRAINERS))
     parser.add_argument("--profiles", default=",".join(PROFILES))
+    parser.add_argument("--varied", default="tool-calling,rag", help="GRPO's profiles run on varied lengths too")
+    parser.add_argument("--merge", action="store_true", help="keep the rows of <out>/<name>.json not rerun")
     parser.add_argument("--examples", type=int, default=4, help="examples (pairs, prompts) per micro-batch")
     parser.add_argument("--repeats", type=int, default=11, help="timed steps per variant (the median is reported)")
     parser.add_argument("--length-scale", type=float, default=1.0)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--render", metavar="JSON", help="write the markdown of a saved run again, and exit")
-    args = parser.parse_args()
-    if args.render:  # the saved run's own arguments, command and device
-        with open(args.render) as f:
+    args, saved, all_results, merged, runs = parser.parse_args(), None, {}, [], []
+    if args.render or args.merge:  # the saved run's own arguments, command, device and rows
+        with open(args.render or os.path.join(args.out, f"{args.name}.json")) as f:
             saved = json.load(f)
-        results = {tuple(key.split("/", 1)): value for key, value in saved["results"].items()}
-        return write(results, argparse.Namespace(**saved["args"]), saved["command"], saved["device"])
+        if differ := [k for k in SIZES if not args.render and saved["args"][k] != getattr(args, k)]:
+            parser.error(f"--merge: {differ} differ from the saved run's")
     trainers, profiles = args.trainers.split(","), args.profiles.split(",")
-    for names, known in ((trainers, TRAINERS), (profiles, PROFILES)):
+    varied = [p for p in args.varied.split(",") if p]
+    for names, known in ((trainers, TRAINERS), (profiles, PROFILES), (varied, PROFILES)):
         if unknown := [n for n in names if n not in known]:
             parser.error(f"unknown {unknown}; choose from {', '.join(known)}")
-    device, tokenizer = quiet_setup(False)
-    model = build_model("dpo", tokenizer, argparse.Namespace(mode="cpu", family="llama", **vars(args)))
-    all_results = {}
+    if not args.render:  # the rows to run: each trainer and profile, GRPO's `--varied` profiles twice
+        device, tokenizer = quiet_setup(False)
+        model = build_model("dpo", tokenizer, argparse.Namespace(mode="cpu", family="llama", **vars(args)))
+        runs = [
+            (t, p, v) for t in trainers for p in profiles for v in (0, 1) if not v or (t == "grpo" and p in varied)
+        ]
     with tempfile.TemporaryDirectory() as tmp:
-        for trainer in trainers:
-            for profile in profiles:
-                all_results[trainer, profile] = results = run(trainer, profile, model, tokenizer, args, tmp)
-                summary = (f"{v}: {r['join'] or '-'} {r['measured_speedup']:.2f}x" for v, r in results.items())
-                print(trainer, profile, " ".join(summary), flush=True)
-    write(all_results, args, command_line("join"), device)
+        for trainer, profile, vary in runs:
+            label = profile + VARIED * vary
+            all_results[trainer, label] = results = run(trainer, profile, model, tokenizer, args, tmp, vary)
+            summary = (f"{v}: {r['join'] or '-'} {r['measured_speedup']:.2f}x" for v, r in results.items())
+            print(trainer, label, " ".join(summary), flush=True)
+    command = command_line("join")
+    if saved:  # `--merge`: this run's rows replace the saved ones; `--render`: none
+        order = [(t, p + VARIED * v) for t in TRAINERS for p in PROFILES for v in (0, 1)]
+        all_results = {tuple(key.split("/", 1)): r for key, r in saved["results"].items()} | all_results
+        all_results = dict(sorted(all_results.items(), key=lambda item: order.index(item[0])))
+        merged = saved.get("merged", []) + ([] if args.render else [command])
+        args = argparse.Namespace(
+            **(saved["args"] if args.render else {**vars(args), "merge": False, **saved["args"]})
+        )
+        command, device = saved["command"], saved["device"]
+    write(all_results, args, command, device, merged)
 
 
 if __name__ == "__main__":
