@@ -112,7 +112,7 @@ def chat_examples(tokenizer, seed: int):
 def measure(model, rows, tokenizer) -> dict:
     from trl_prefix_sharing.architectures import window_layout
     from trl_prefix_sharing.attention import BACKENDS
-    from trl_prefix_sharing.model_check import run_model_check
+    from trl_prefix_sharing.model_check import check_layout_fn, run_model_check
     from trl_prefix_sharing.session import PrefixSharingSession
 
     sharing = PrefixSharingSession([model], tokenizer, BACKENDS["sdpa"], fuse_lm_head=True)
@@ -121,9 +121,7 @@ def measure(model, rows, tokenizer) -> dict:
         result = run_model_check(
             model,
             rows,
-            lambda ids, mask, lengths, example_ids: sharing.layout(
-                ids, mask, prompt_lengths=lengths, examples=example_ids
-            ),
+            check_layout_fn(sharing),
             "fused",
             sharing.pad_token_id,
             window=window_layout(model.config)[0],

@@ -13,7 +13,7 @@ import trl
 
 from trl_prefix_sharing import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer
 from trl_prefix_sharing.architectures import check_supported_model
-from trl_prefix_sharing.model_check import MIN_PROMPT, _stretch, examples_to_check
+from trl_prefix_sharing.model_check import MIN_PROMPT, TOLERANCE, _stretch, examples_to_check
 from trl_prefix_sharing.testing import make_config
 from trl_prefix_sharing.testing.custom_models import (
     BROKEN,
@@ -132,6 +132,25 @@ def test_short_prompts_are_stretched():
     assert prompt == [9] * 3 * MIN_PROMPT
     ((prompt, _),) = _stretch(rows, 3 * MIN_PROMPT, MIN_PROMPT + 4)  # not past the model's positions
     assert len(prompt) == MIN_PROMPT + 2
+
+
+def test_the_calibration_script_measures_the_check(tokenizer):
+    """`scripts/calibrate_model_check.py` (docs/benchmarks/model_check.md) runs the start-up check as the trainers
+    build it: the shared layout of a plain decoder within the tolerance, a broken backbone far outside it."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "calibrate_model_check.py"
+    spec = importlib.util.spec_from_file_location("calibrate_model_check", path)
+    calibrate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(calibrate)
+    rows = calibrate.examples(tokenizer, seed=0)
+    shape = dict(hidden_size=32, num_layers=2, initializer_range=INIT)
+    exact = calibrate.measure(custom_model("ps_plain_decoder", len(tokenizer), **shape), rows, tokenizer)
+    broken = calibrate.measure(custom_model("ps_row_causal", len(tokenizer), **shape), rows, tokenizer)
+    assert exact["values"] > 0 and broken["values"] > 0
+    tolerance = TOLERANCE[torch.float32]
+    assert exact["difference"] < tolerance < 10 * tolerance < broken["difference"]
 
 
 def test_always_checks_measured_models_too(tmp_path, tokenizer):
