@@ -31,6 +31,20 @@ def tokenizer():
     return make_tokenizer()
 
 
+@pytest.fixture(scope="session")
+def load_script():
+    """`load_script(name)`: the module of `scripts/<name>.py`, loaded from its file (the scripts are no package)."""
+    import importlib.util
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "scripts" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
+
+
 @pytest.fixture(autouse=True, scope="module")
 def fresh_compilations():
     """Every test file starts from nothing compiled: shapes one file's FlexAttention runs made dynamic would make the

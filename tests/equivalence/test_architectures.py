@@ -216,16 +216,13 @@ def test_failed_router_variant_is_refused_with_its_outcome():
         check_supported_model(make_config("beam", 32, output_router_logits=True))
 
 
-def test_docs_table_is_the_registry():
+def test_docs_table_is_the_registry(load_script):
     """docs/architectures.md's generated section is what `scripts/sweep_architectures.py --docs-only` writes from the
     registry, and the registry's reasons are those of `REFUSED` (regenerated after a reason changes)."""
-    import importlib.util
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("sweep_architectures", root / "scripts" / "sweep_architectures.py")
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = load_script("sweep_architectures")
     for family, entry in registry()["refused"].items():
         assert entry["reason"] == (REFUSED.get(family) or sweep._measured_reason(entry["measured"])), family
     text = (root / "docs" / "architectures.md").read_text()

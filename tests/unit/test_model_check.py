@@ -134,16 +134,10 @@ def test_short_prompts_are_stretched():
     assert len(prompt) == MIN_PROMPT + 2
 
 
-def test_the_calibration_script_measures_the_check(tokenizer):
+def test_the_calibration_script_measures_the_check(tokenizer, load_script):
     """`scripts/calibrate_model_check.py` (docs/benchmarks/model_check.md) runs the start-up check as the trainers
     build it: the shared layout of a plain decoder within the tolerance, a broken backbone far outside it."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "calibrate_model_check.py"
-    spec = importlib.util.spec_from_file_location("calibrate_model_check", path)
-    calibrate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(calibrate)
+    calibrate = load_script("calibrate_model_check")
     rows = calibrate.examples(tokenizer, seed=0)
     shape = dict(hidden_size=32, num_layers=2, initializer_range=INIT)
     exact = calibrate.measure(custom_model("ps_plain_decoder", len(tokenizer), **shape), rows, tokenizer)
